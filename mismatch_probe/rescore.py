@@ -1,0 +1,168 @@
+"""The training-side rescorer: a transformers forward pass over prompt + response.
+
+It knows nothing about vLLM: it takes token ids (prompt, response) and returns, per response
+token, the log-probability the training-precision model gives that exact token after the same
+prefix, processed like the engine's (``sampling.token_logprobs``), plus the support-flip flag.
+
+Batching: sequences are sorted by length and packed into right-padded batches of at most
+``batch_tokens`` padded tokens. Right padding keeps every real token at its true position
+(``position_ids = arange``) and, with a causal mask, real tokens never attend to padding. Only
+the logits of the columns that predict response tokens are computed (``logits_to_keep``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.sampling import SamplingSpec, token_logprobs
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+TORCH_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One sequence to rescore: the ids exactly as the engine saw and sampled them."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+
+
+@dataclass
+class Scored:
+    """Per-response-token results, aligned with ``ScoreRequest.response_ids``."""
+
+    logprobs: np.ndarray  # [R] float32
+    support_flip: np.ndarray  # [R] bool
+
+
+def load_model(path: Path, dtype: str) -> Any:
+    """Load a causal LM in ``dtype`` (always explicit: transformers 5 defaults to "auto")."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ProbeError(f"transformers could not load {path}: {reason}") from None
+    return model.eval()
+
+
+def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Group sequence indices, longest first, so that ``len(batch) * max_len <= batch_tokens``.
+
+    A sequence longer than ``batch_tokens`` gets a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def rescore(
+    model: Any,
+    requests: Sequence[ScoreRequest],
+    spec: SamplingSpec,
+    flip_eps: float,
+    batch_tokens: int = 8192,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[Scored]:
+    """Score every response token of ``requests`` with ``model``.
+
+    Args:
+        model: a transformers causal LM (in eval mode, on its device).
+        requests: sequences to score; a request with no response tokens gets empty arrays.
+        spec: sampling settings of the rollout (decides raw vs processed scoring).
+        flip_eps: support-flip margin (see ``sampling.token_logprobs``).
+        batch_tokens: padded-token budget of one forward pass.
+        on_batch: called with the number of response tokens after each batch (progress).
+
+    Returns:
+        One ``Scored`` per request, in request order.
+    """
+    import numpy as np
+
+    results: list[Scored | None] = [None] * len(requests)
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in requests]
+    for batch in plan_batches(lengths, batch_tokens):
+        scored = _score_batch(model, [requests[i] for i in batch], spec, flip_eps)
+        for i, s in zip(batch, scored, strict=True):
+            results[i] = s
+        if on_batch is not None:
+            on_batch(sum(len(requests[i].response_ids) for i in batch))
+    empty = Scored(np.zeros(0, np.float32), np.zeros(0, bool))
+    return [r if r is not None else empty for r in results]
+
+
+def _score_batch(
+    model: Any, batch: Sequence[ScoreRequest], spec: SamplingSpec, flip_eps: float
+) -> list[Scored]:
+    import torch
+
+    device = next(model.parameters()).device
+    ids, mask, rows, cols, first = _right_padded(batch, device)
+    with torch.inference_mode():
+        keep = torch.arange(first, ids.shape[1] - 1, device=device)  # columns that predict
+        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+        picked = logits[rows, cols - first]  # [N, V]: the column before each response token
+        targets = ids[rows, cols + 1]
+        logprobs, flips = token_logprobs(picked, targets, spec, flip_eps)
+    sizes = [len(r.response_ids) for r in batch]
+    return [
+        Scored(lp.numpy().astype("float32"), fl.numpy())
+        for lp, fl in zip(logprobs.cpu().split(sizes), flips.cpu().split(sizes), strict=True)
+    ]
+
+
+def _right_padded(
+    batch: Sequence[ScoreRequest], device: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Build ``[B, L]`` ids and mask, and the (row, column) of each predicting position.
+
+    Returns:
+        ``(ids [B, L], mask [B, L], rows [N], cols [N], first)`` where ``cols`` are the columns
+        whose logits predict the response tokens (``prompt_len - 1 .. total - 2``) and
+        ``first`` is the smallest of them.
+    """
+    import torch
+
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    rows, cols = [], []
+    for b, r in enumerate(batch):
+        seq = [*r.prompt_ids, *r.response_ids]
+        ids[b, : len(seq)] = torch.tensor(seq)
+        mask[b, : len(seq)] = 1
+        start = len(r.prompt_ids) - 1
+        rows += [b] * len(r.response_ids)
+        cols += range(start, start + len(r.response_ids))
+    first = min(len(r.prompt_ids) - 1 for r in batch)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return ids.to(device), mask.to(device), as_tensor(rows), as_tensor(cols), first
+
+
+@contextmanager
+def loaded(path: Path, dtype: str) -> Iterator[Any]:
+    """A loaded model, released on exit."""
+    import gc
+
+    model = load_model(path, dtype)
+    try:
+        yield model
+    finally:
+        del model
+        gc.collect()

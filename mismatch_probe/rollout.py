@@ -1,0 +1,177 @@
+"""The rollout stage: vLLM generates responses and reports each sampled token's log-probability.
+
+This module is the only one that imports vLLM. It takes token-id prompts and a ``SamplingSpec``
+and returns ``Rollout`` records (token ids, the engine's log-probabilities, finish reasons). It
+knows nothing about transformers or Parquet.
+
+Every sampling parameter is passed explicitly (``generation_config="vllm"`` so the
+checkpoint's generation config cannot change them), and each (prompt, sample) request gets its
+own seed derived from ``--seed``, so the same run settings give the same tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.prompts import EncodedPrompt
+from mismatch_probe.sampling import VLLM_LOGPROBS_MODE, SamplingSpec
+
+# Defaults for a CPU machine: a small KV-cache budget so the training model fits beside the
+# engine, eager mode (no graph capture), and no per-step stats logging.
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {
+    "kv_cache_memory_bytes": 1 << 30,
+    "enforce_eager": True,
+}
+COMMON_ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True, "use_tqdm_on_load": False}
+
+
+@dataclass
+class Rollout:
+    """One sampled response."""
+
+    seq_id: int
+    prompt_id: int
+    sample_id: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # engine's log-prob of each response token
+    finish_reason: str
+    response_text: str
+
+
+def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> kwargs; values are JSON when they parse, strings otherwise."""
+    args: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ProbeError(f"--vllm-arg expects key=value, got {item!r}")
+        try:
+            args[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key.strip()] = value
+    return args
+
+
+def engine_kwargs(
+    model: Path, dtype: str, spec: SamplingSpec, max_model_len: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """All arguments for ``vllm.LLM``: our explicit settings, platform defaults, then ``extra``."""
+    from vllm.platforms import current_platform
+
+    defaults = dict(COMMON_ENGINE_DEFAULTS)
+    if current_platform.is_cpu():
+        defaults.update(CPU_ENGINE_DEFAULTS)
+    return {
+        **defaults,
+        "model": str(model),
+        "dtype": dtype,
+        "logprobs_mode": VLLM_LOGPROBS_MODE[spec.logprobs_mode],
+        "generation_config": "vllm",
+        "seed": spec.seed,
+        "max_model_len": max_model_len,
+        **extra,
+    }
+
+
+@contextmanager
+def engine(kwargs: dict[str, Any]) -> Iterator[Any]:
+    """A started ``vllm.LLM``, shut down (engine process and memory) on exit."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import LLM
+
+    try:
+        llm = LLM(**kwargs)
+    except Exception as exc:  # vLLM raises many types for an engine that cannot start
+        raise ProbeError(f"vLLM could not start the engine: {_one_line(exc)}") from None
+    try:
+        yield llm
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop the engine core process and free its memory before the training model loads."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({' '.join(str(cause).split())})"
+    return text[:400]
+
+
+def request_seed(spec: SamplingSpec, prompt_id: int, sample_id: int) -> int:
+    """A distinct, reproducible seed per (prompt, sample) request."""
+    return (spec.seed * 1_000_003 + prompt_id * 1_009 + sample_id) % (2**31)
+
+
+def generate(
+    llm: Any,
+    prompts: Sequence[EncodedPrompt],
+    spec: SamplingSpec,
+    samples_per_prompt: int,
+    progress: Callable[..., Any] | bool = False,
+) -> list[Rollout]:
+    """Sample ``samples_per_prompt`` responses per prompt, one request (own seed) each.
+
+    Returns:
+        Rollouts ordered by (prompt, sample); ``seq_id`` is that order's index.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    jobs = [(p, s) for p in prompts for s in range(samples_per_prompt)]
+    params = [_sampling_params(SamplingParams, spec, p.prompt_id, s) for p, s in jobs]
+    inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in jobs]
+    outputs = llm.generate(inputs, params, use_tqdm=progress)
+    return [
+        _to_rollout(seq_id, p, s, out.outputs[0])
+        for seq_id, ((p, s), out) in enumerate(zip(jobs, outputs, strict=True))
+    ]
+
+
+def _sampling_params(cls: Any, spec: SamplingSpec, prompt_id: int, sample_id: int) -> Any:
+    return cls(
+        n=1,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k if spec.top_k > 0 else -1,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        max_tokens=spec.max_tokens,
+        seed=request_seed(spec, prompt_id, sample_id),
+        logprobs=0,  # the sampled token's log-probability only
+        detokenize=True,
+    )
+
+
+def _to_rollout(seq_id: int, prompt: EncodedPrompt, sample_id: int, out: Any) -> Rollout:
+    ids = list(out.token_ids)
+    logprobs = [float(step[tok].logprob) for tok, step in zip(ids, out.logprobs, strict=True)]
+    return Rollout(
+        seq_id=seq_id,
+        prompt_id=prompt.prompt_id,
+        sample_id=sample_id,
+        prompt_ids=list(prompt.token_ids),
+        response_ids=ids,
+        rollout_logprobs=logprobs,
+        finish_reason=str(out.finish_reason or "unknown"),
+        response_text=out.text,
+    )

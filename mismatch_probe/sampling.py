@@ -1,0 +1,117 @@
+"""The sampling parameters and the training side's copy of the engine's logit processing.
+
+``SamplingSpec`` is what both sides must agree on. ``token_logprobs`` turns training-side logits
+into the log-probability of given token ids under the same distribution the engine reports:
+
+* ``raw``: ``log_softmax(logits)`` (vLLM ``raw_logprobs``: before temperature, top-k, top-p);
+* ``processed``: vLLM's order (``v1/sample/sampler.py``): fp32 -> divide by temperature ->
+  top-k (keep every logit >= the k-th largest) -> top-p (sort ascending, softmax, cumsum, mask
+  where cumsum <= 1 - p, always keep the largest) -> ``log_softmax``. Greedy requests
+  (temperature < 1e-5) skip all of it in the engine, so they are rescored raw.
+
+It also flags *support flips*: positions where the top-k/top-p boundary sits so close to a
+threshold that a last-bit difference between the two sides moves a token into or out of the
+kept set, changing the renormalisation (a different cause than numeric drift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+LogprobsMode = Literal["processed", "raw"]
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS
+VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling settings shared by the rollout engine and the rescorer (all explicit)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    max_tokens: int = 128
+    seed: int = 0
+    logprobs_mode: LogprobsMode = "processed"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when the rescorer must apply temperature / top-k / top-p."""
+        return self.logprobs_mode == "processed" and not self.greedy
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, spec: SamplingSpec, flip_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``targets`` under the distribution the engine reports.
+
+    Args:
+        logits: ``[N, V]`` training-side logits (any dtype; processed in float32).
+        targets: ``[N]`` token ids whose log-probabilities we want.
+        spec: the sampling settings of the rollout.
+        flip_eps: margin under which a top-k / top-p boundary counts as a support flip: in
+            cumulative probability for top-p, in logit units (relative to the k-th logit's
+            magnitude, at least 1) for top-k.
+
+    Returns:
+        ``(logprobs [N] float32, support_flip [N] bool)``. A target outside the kept set gets
+        ``-inf`` (and is always flagged, since the engine sampled it).
+    """
+    import torch
+
+    logits = logits.float()
+    flip = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    if spec.processes_logits:
+        logits = logits / spec.temperature
+        if spec.uses_top_k or spec.uses_top_p:
+            logits, flip = _top_k_top_p(logits, spec, flip_eps)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.long()[:, None])[:, 0]
+    return logprobs, flip | torch.isneginf(logprobs)
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, spec: SamplingSpec, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``apply_top_k_top_p_pytorch`` plus the boundary-margin test.
+
+    Args:
+        logits: ``[N, V]`` float32, already divided by the temperature.
+
+    Returns:
+        ``(masked logits [N, V], support_flip [N])``.
+    """
+    import torch
+
+    n, vocab = logits.shape
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    flip = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    if spec.uses_top_k and spec.top_k < vocab:
+        kth = sorted_logits[:, vocab - spec.top_k : vocab - spec.top_k + 1]  # [N, 1]
+        below = sorted_logits[:, vocab - spec.top_k - 1]  # the best dropped logit
+        scale = kth[:, 0].abs().clamp(min=1.0)
+        flip |= (kth[:, 0] - below) < eps * scale
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if spec.uses_top_p:
+        cumsum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumsum <= 1 - spec.top_p
+        drop[:, -1] = False
+        flip |= ((cumsum - (1 - spec.top_p)).abs() < eps).any(dim=-1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    masked = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return masked, flip

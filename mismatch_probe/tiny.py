@@ -1,0 +1,87 @@
+"""Tiny random-weight checkpoints for tests and for trying the tool without a real model.
+
+A tiny model is a normal transformers checkpoint directory: a byte-level BPE tokenizer trained
+here on a small built-in text (so any string encodes), a chat template, and a model with random
+weights whose head_dim is 32 (the smallest the vLLM CPU attention backend accepts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.errors import ProbeError
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A language model predicts the next token.
+What is the capital of France? Paris is the capital of France. Two plus two equals four.
+def add(a, b): return a + b  # Python code with numbers 0 1 2 3 4 5 6 7 8 9.
+Reinforcement learning trains a policy from rewards; rollouts come from an inference engine.
+Solve for x: 3x + 5 = 20, so x = 5. Explain why the sky is blue in one sentence.
+"""
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_SPECIAL = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"]
+
+
+def build_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer with a chat template; ``<|end|>`` is EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _llama(vocab: int, eos: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        eos_token_id=eos,
+        bos_token_id=None,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+ARCHS: dict[str, Callable[[int, int], Any]] = {"llama": _llama}
+
+
+def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if arch not in ARCHS:
+        raise ProbeError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    tokenizer = build_tokenizer()
+    config = ARCHS[arch](len(tokenizer), tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

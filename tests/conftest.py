@@ -1,0 +1,71 @@
+"""Shared fixtures: a tiny random model built once, and real vLLM engines shared per session.
+
+Starting a vLLM engine takes tens of seconds on a CPU, so engines live in a session-wide pool
+keyed by (dtype, logprobs mode): each configuration starts once; the pool keeps one engine
+alive at a time (tests that share a configuration sit together in their module).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_CONTEXT = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mismatch_probe.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+class EnginePool:
+    """Real vLLM engines on the tiny model, one configuration alive at a time."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.key: tuple[str, str] | None = None
+        self._cm: Any = None
+        self.llm: Any = None
+
+    def get(self, dtype: str, logprobs_mode: str) -> Any:
+        from mismatch_probe import rollout
+        from mismatch_probe.sampling import SamplingSpec
+
+        if self.key != (dtype, logprobs_mode):
+            self.close()
+            spec = SamplingSpec(logprobs_mode=logprobs_mode)  # type: ignore[arg-type]
+            kwargs = rollout.engine_kwargs(
+                self.model, dtype, spec, TINY_CONTEXT, {"kv_cache_memory_bytes": 128 << 20}
+            )
+            self._cm = rollout.engine(kwargs)
+            self.llm = self._cm.__enter__()
+            self.key = (dtype, logprobs_mode)
+        return self.llm
+
+    def close(self) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(None, None, None)
+        self._cm, self.llm, self.key = None, None, None
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_model: Path) -> Iterator[EnginePool]:
+    pool = EnginePool(tiny_model)
+    yield pool
+    pool.close()
