@@ -28,6 +28,91 @@ app = typer.Typer(
 models_app = typer.Typer(help="Prepare and build models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
+# --- metrics ----------------------------------------------------------------------------------
+
+RolloutIsOpt = Annotated[
+    str, typer.Option("--rollout-is", help="IS weight level: token, sequence or none.")
+]
+RolloutIsThresholdOpt = Annotated[
+    str,
+    typer.Option(
+        "--rollout-is-threshold",
+        help="IS bound: C truncates weights at C (TIS); L_U zeroes weights outside [L, U] "
+        "(IcePop), e.g. 0.5_5.0.",
+    ),
+]
+RolloutRsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rollout-rs",
+        help="Rejection options, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
+        "seq_max_k2, seq_max_k3 (a token survives when every option keeps it).",
+    ),
+]
+RolloutRsThresholdOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rollout-rs-threshold",
+        help="One threshold for all options or one per option, comma-separated: L_U or X "
+        "(= 1/X_X) for k1 options, one number U for k2/k3 options.",
+    ),
+]
+BatchNormalizeOpt = Annotated[
+    bool,
+    typer.Option("--batch-normalize", help="Also report the IS batch normalisation factor."),
+]
+PresetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--preset",
+        help="Correction preset to evaluate, repeatable (default: all): token_is, seq_is, "
+        "token_icepop, seq_is_rs, geo_rs, k3_rs, geo_rs_token_tis, geo_rs_seq_tis, "
+        "k3_rs_token_tis, k3_rs_seq_tis.",
+    ),
+]
+SettingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--setting", help="Use only the rows of this setting (needed when there are several)."
+    ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one flat JSON object (spec names) instead of tables.")
+]
+
+
+@app.command("metrics")
+def metrics_command(
+    path: Annotated[Path, typer.Argument(help="Run directory or token-store Parquet file.")],
+    rollout_is: RolloutIsOpt = "token",
+    rollout_is_threshold: RolloutIsThresholdOpt = "2.0",
+    rollout_rs: RolloutRsOpt = None,
+    rollout_rs_threshold: RolloutRsThresholdOpt = None,
+    batch_normalize: BatchNormalizeOpt = False,
+    preset: PresetOpt = None,
+    setting: SettingOpt = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Compute verl's rollout-correction metrics and our diagnostics for a token store."""
+    import json
+
+    from mismatch_probe.metrics import PRESETS, MetricsConfig, compute_metrics, render_metrics
+
+    cfg = MetricsConfig(
+        rollout_is=rollout_is,
+        rollout_is_threshold=rollout_is_threshold,
+        rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        batch_normalize=batch_normalize,
+        presets=tuple(preset) if preset is not None else tuple(PRESETS),
+    )
+    result = compute_metrics(path, cfg, setting=setting)
+    if json_output:
+        print(json.dumps(result.flat(), allow_nan=False))
+    else:
+        render_metrics(result, Console())
+
+
 
 def main() -> None:
     """Console-script entry point: run the app, turning ``ProbeError`` into exit code 2."""
@@ -41,15 +126,10 @@ def main() -> None:
         raise SystemExit(130) from None
     except typer.Exit as exc:
         raise SystemExit(exc.exit_code) from None
-    except SystemExit:
-        raise
-    except Exception as exc:  # click usage errors arrive as click.exceptions.UsageError
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            raise SystemExit(2) from None
-        raise
+    except typer.TyperException as exc:  # usage errors: unknown option, bad value
+        message = getattr(exc, "format_message", lambda: str(exc))()
+        print(f"error: {' '.join(message.split())}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 # --- scan and models --------------------------------------------------------------------------

@@ -60,7 +60,9 @@ class _RichTqdm:
 def vllm_progress(progress: Progress, description: str, total: int) -> Any:
     """A ``use_tqdm`` callable for vLLM that reports into ``progress``."""
 
-    def factory(*_args: Any, **_kwargs: Any) -> _RichTqdm:
+    def factory(*args: Any, **_kwargs: Any) -> Any:
+        if args:  # vLLM also wraps the iterable of prompts it adds: pass it through
+            return args[0]
         return _RichTqdm(progress, description, total)
 
     return factory

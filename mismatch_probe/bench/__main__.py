@@ -1,0 +1,76 @@
+"""Run the benchmarks: ``python -m mismatch_probe.bench [rescoring] [scan] [metrics]``."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+OUT_DIR = Path("reports/bench")
+
+
+def _rescoring() -> dict[str, Any]:
+    from mismatch_probe.bench.rescoring import bench_rescoring
+
+    return bench_rescoring()
+
+
+def _scan() -> dict[str, Any]:
+    from mismatch_probe.bench.scan import bench_scan
+
+    return bench_scan()
+
+
+def _metrics() -> dict[str, Any]:
+    from mismatch_probe.bench.metrics import bench_metrics
+
+    return bench_metrics()
+
+
+BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
+    "rescoring": _rescoring,
+    "scan": _scan,
+    "metrics": _metrics,
+}
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, str]]:
+    if isinstance(value, dict):
+        return [row for k, v in value.items() for row in _flatten(f"{prefix}{k}.", v)]
+    text = f"{value:,.3f}" if isinstance(value, float) else str(value)
+    return [(prefix.rstrip("."), text)]
+
+
+def main(names: list[str]) -> None:
+    console = Console()
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}")
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    for name in names or list(BENCHES):
+        console.print(f"[bold]bench {name}[/] ...")
+        result = {
+            "bench": name,
+            "date": datetime.now().isoformat(timespec="seconds"),
+            "machine": {"processor": platform.processor(), "python": platform.python_version()},
+            "results": BENCHES[name](),
+        }
+        path = OUT_DIR / f"{name}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        table = Table(title=f"{name} -> {path}")
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        for key, text in _flatten("", result["results"]):
+            table.add_row(key, text)
+        console.print(table)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,168 @@
+"""``probe scan`` from the outside: bad input gives one line and exit 2; a real run's outputs.
+
+Bad-input cases run ``cli.main`` in-process (they fail before any engine starts); one
+end-to-end test runs the installed ``probe`` console script in a subprocess on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from mismatch_probe import cli, store
+
+
+def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
+    """Run ``probe ARGS`` in-process; return (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["probe", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    return int(exit_info.value.code or 0), capsys.readouterr().err
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    return path
+
+
+def bad_prompts(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    return path
+
+
+def not_a_causal_lm(tmp_path: Path) -> Path:
+    path = tmp_path / "bert"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    return path
+
+
+CASES = {
+    "missing model": (
+        lambda tmp, model: ["--model", str(tmp / "nope")],
+        "model path does not exist",
+    ),
+    "not a causal LM": (
+        lambda tmp, model: ["--model", str(not_a_causal_lm(tmp))],
+        "is not a causal language model",
+    ),
+    "empty prompts": (
+        lambda tmp, model: ["--model", str(model), "--prompts", str(bad_prompts(tmp, "\n\n"))],
+        "prompts file is empty",
+    ),
+    "malformed prompts": (
+        lambda tmp, model: [
+            "--model",
+            str(model),
+            "--prompts",
+            str(bad_prompts(tmp, '{"prompt": "ok"}\n{"prompt": \n')),
+        ],
+        "bad.jsonl:2: not valid JSON",
+    ),
+    "prompt without text": (
+        lambda tmp, model: [
+            "--model",
+            str(model),
+            "--prompts",
+            str(bad_prompts(tmp, '{"prompt": "ok"}\n\n{"text": "x"}\n')),
+        ],
+        "bad.jsonl:3: needs a non-empty 'prompt'",
+    ),
+    "negative max tokens": (
+        lambda tmp, model: ["--model", str(model), "--max-tokens", "-5"],
+        "--max-tokens must be >= 1",
+    ),
+    "unknown dtype": (
+        lambda tmp, model: ["--model", str(model), "--rollout-dtype", "float8"],
+        "--rollout-dtype: unknown dtype 'float8'",
+    ),
+    "prompt longer than context": (
+        lambda tmp, model: [
+            "--model",
+            str(model),
+            "--prompts",
+            str(bad_prompts(tmp, json.dumps({"prompt": "fox jumps " * 400}) + "\n")),
+        ],
+        "exceeds the model's context of 512 tokens",
+    ),
+    "bad vllm arg": (
+        lambda tmp, model: ["--model", str(model), "--vllm-arg", "novalue"],
+        "--vllm-arg expects key=value",
+    ),
+    "bad top-p": (
+        lambda tmp, model: ["--model", str(model), "--top-p", "1.5"],
+        "--top-p must be in (0, 1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_exits_2_with_one_line(
+    case: str,
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
+) -> None:
+    make_args, expected = CASES[case]
+    out = tmp_path / "out"
+    code, err = run_main(
+        ["scan", *make_args(tmp_path, tiny_model), "--out", str(out)], monkeypatch, capsys
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert expected in lines[0]
+    assert not (out / store.TOKENS_FILE).exists()
+
+
+def test_unknown_option_is_usage_error(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    code, err = run_main(["scan", "--no-such-option"], monkeypatch, capsys)
+    assert code == 2
+    assert "No such option" in err
+
+
+@pytest.mark.engine
+def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_path: Path) -> None:
+    """The console script on the tiny model: fp32 both sides, processed, top-p; read back."""
+    out = tmp_path / "run"
+    probe = Path(sys.executable).with_name("probe")
+    args = [str(probe), "scan", "--model", str(tiny_model), "--prompts", str(prompts_file)]
+    args += ["--samples-per-prompt", "3", "--max-tokens", "12", "--temperature", "0.8"]
+    args += ["--top-p", "0.95", "--rollout-dtype", "float32", "--out", str(out)]
+    args += ["--vllm-arg", f"kv_cache_memory_bytes={64 << 20}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "k3_kl" in proc.stdout and str(out / "tokens.parquet") in proc.stdout
+
+    tokens = pq.read_table(out / store.TOKENS_FILE)
+    sequences = pq.read_table(out / store.SEQUENCES_FILE)
+    assert tokens.schema.remove_metadata() == store.TOKEN_SCHEMA
+    assert sequences.schema.remove_metadata() == store.SEQUENCE_SCHEMA
+    assert sequences.num_rows == 6
+    lengths = sequences.column("response_length").to_pylist()
+    assert tokens.num_rows == sum(lengths)
+    assert all(1 <= n <= 12 for n in lengths)
+    assert sorted(set(tokens.column("prompt_id").to_pylist())) == [0, 1]
+
+    run = json.loads((out / store.RUN_FILE).read_text())
+    assert run["sampling"]["vllm_logprobs_mode"] == "processed_logprobs"
+    assert run["sampling"]["top_p"] == 0.95
+    assert run["engine_args"]["dtype"] == "float32"
+    assert run["engine_args"]["generation_config"] == "vllm"
+    assert set(run["timings"]) >= {"engine_start", "generation", "rescoring", "writing"}
+    assert store.read_run_metadata(out / store.TOKENS_FILE)["setting"] == run["setting"]
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["num_tokens"] == tokens.num_rows
+    assert metrics["k3_kl"] < 1e-6  # fp32 vs fp32: the identity

@@ -1,0 +1,110 @@
+"""The token store: schema, metadata, sequence-aligned row groups, atomic writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mismatch_probe import store
+from mismatch_probe.errors import ProbeError
+
+
+def tokens(lengths: list[int]) -> pa.Table:
+    n = sum(lengths)
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    return pa.table(
+        {
+            "setting": ["s"] * n,
+            "seq_id": seq.astype(np.int64),
+            "prompt_id": seq.astype(np.int64),
+            "sample_id": np.zeros(n, np.int32),
+            "position": np.concatenate([np.arange(k) for k in lengths]).astype(np.int32),
+            "token_id": np.arange(n, dtype=np.int32),
+            "token_text": [f"t{i}" for i in range(n)],
+            "rollout_logprob": np.full(n, -1.0, np.float32),
+            "train_logprob": np.full(n, -1.1, np.float32),
+            "support_flip": np.zeros(n, bool),
+        }
+    )
+
+
+def test_write_roundtrip_schema_and_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.parquet"
+    store.write_table(path, tokens([3, 1, 4]), store.TOKEN_SCHEMA, {"setting": "x", "n": 1})
+    table = pq.read_table(path)
+    assert table.schema.remove_metadata() == store.TOKEN_SCHEMA
+    assert table.num_rows == 8
+    assert store.read_run_metadata(path) == {"setting": "x", "n": 1}
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_row_groups_never_split_a_sequence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store, "ROW_GROUP_TOKENS", 4)
+    path = tmp_path / "tokens.parquet"
+    store.write_table(path, tokens([3, 3, 5, 1, 2]), store.TOKEN_SCHEMA, {})
+    pf = pq.ParquetFile(path)
+    groups = [pf.read_row_group(i).column("seq_id").to_pylist() for i in range(pf.num_row_groups)]
+    assert groups == [[0, 0, 0, 1, 1, 1], [2, 2, 2, 2, 2], [3, 4, 4]]
+
+
+def test_reader_regroups_sequences_split_by_another_writer(tmp_path: Path) -> None:
+    path = tmp_path / "foreign.parquet"
+    pq.write_table(tokens([3, 5, 2]), path, row_group_size=2)  # splits sequences
+    batches = list(store.iter_sequence_batches(path))
+    assert sum(b.num_rows for b in batches) == 10
+    seen = [sorted(set(b.column("seq_id").to_pylist())) for b in batches]
+    flat = [s for group in seen for s in group]
+    assert flat == sorted(flat) == [0, 1, 2]  # every sequence whole, in exactly one batch
+
+
+def test_reader_rejects_non_contiguous_sequences(tmp_path: Path) -> None:
+    path = tmp_path / "shuffled.parquet"
+    table = tokens([2, 2])
+    pq.write_table(table.take([0, 2, 1, 3]), path)
+    with pytest.raises(ProbeError, match="not contiguous"):
+        list(store.iter_sequence_batches(path))
+
+
+def test_interrupted_write_leaves_no_complete_looking_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tokens.parquet"
+    store.write_table(path, tokens([2]), store.TOKEN_SCHEMA, {"old": True})
+    monkeypatch.setattr(store, "ROW_GROUP_TOKENS", 2)
+    calls = {"n": 0}
+    original = pq.ParquetWriter.write_table
+
+    def crash_on_second(self: pq.ParquetWriter, table: pa.Table, *a: object, **k: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-write
+        original(self, table, *a, **k)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        store.write_table(path, tokens([2, 2, 2]), store.TOKEN_SCHEMA, {"old": False})
+    assert store.read_run_metadata(path) == {"old": True}  # the earlier file is intact
+    assert pq.read_table(path).num_rows == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["tokens.parquet"]  # no partial left
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"not parquet at all", "not a readable Parquet file"), (b"PAR1\x00\x00PAR1", "Parquet")],
+)
+def test_corrupt_parquet_is_a_probe_error(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "tokens.parquet"
+    path.write_bytes(content)
+    with pytest.raises(ProbeError, match=message):
+        list(store.iter_sequence_batches(path))
+
+
+def test_missing_columns_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"seq_id": [1], "position": [0]}), path)
+    with pytest.raises(ProbeError, match="rollout_logprob, train_logprob"):
+        store.open_parquet(path)
