@@ -127,7 +127,8 @@ def main() -> None:
     except typer.Exit as exc:
         raise SystemExit(exc.exit_code) from None
     except typer.TyperException as exc:  # usage errors: unknown option, bad value
-        message = getattr(exc, "format_message", lambda: str(exc))()
+        format_message = getattr(exc, "format_message", None)
+        message = format_message() if format_message else str(exc)
         print(f"error: {' '.join(message.split())}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -230,12 +231,11 @@ def scan(
     flip_eps: FlipEpsOpt = None,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure."""
-    from mismatch_probe.summary import render_summary
-
     from mismatch_probe.config import ScanConfig
     from mismatch_probe.rollout import parse_engine_args
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.scan import run_scan
+    from mismatch_probe.summary import render_summary
 
     if logprobs_mode not in ("processed", "raw"):
         raise ProbeError(f"--logprobs-mode: processed or raw, got {logprobs_mode!r}")
