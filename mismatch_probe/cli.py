@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from mismatch_probe.errors import ProbeError
+
+if TYPE_CHECKING:
+    from mismatch_probe.metrics import MetricsConfig
 
 DEFAULT_MAX_TOKENS = 96
 
@@ -114,10 +117,15 @@ def metrics_command(
 
 
 
+def _stdout_console() -> Console:
+    """Results go to stdout; wide when it is not a terminal (logs, CI), so tables don't wrap."""
+    return Console() if sys.stdout.isatty() else Console(width=140)
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning ``ProbeError`` into exit code 2."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
     except ProbeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -131,6 +139,123 @@ def main() -> None:
         message = format_message() if format_message else str(exc)
         print(f"error: {' '.join(message.split())}", file=sys.stderr)
         raise SystemExit(2) from None
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
+
+
+# --- reports ----------------------------------------------------------------------------------
+
+RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by probe scan.")]
+CompareOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        help="Directory for compare.md and the overlaid plots "
+        "(default: reports/compare-<timestamp>/).",
+    ),
+]
+MaxBoundOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--max", help="METRIC=VALUE: fail when METRIC is above VALUE, e.g. k3_kl=1e-3; repeatable."
+    ),
+]
+MinBoundOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--min",
+        help="METRIC=VALUE: fail when METRIC is below VALUE, e.g. prob_pearson=0.99; repeatable.",
+    ),
+]
+
+
+def _metrics_config(
+    rollout_is: str,
+    rollout_is_threshold: str,
+    rollout_rs: str | None,
+    rollout_rs_threshold: str | None,
+    batch_normalize: bool,
+    preset: list[str] | None,
+) -> MetricsConfig:
+    """The ``MetricsConfig`` of the shared metric options."""
+    from mismatch_probe.metrics import PRESETS, MetricsConfig
+
+    return MetricsConfig(
+        rollout_is=rollout_is,
+        rollout_is_threshold=rollout_is_threshold,
+        rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+        batch_normalize=batch_normalize,
+        presets=tuple(preset) if preset is not None else tuple(PRESETS),
+    )
+
+
+def _print_paths(console: Console, paths: dict[str, Path]) -> None:
+    for name, path in paths.items():
+        console.print(f"  {name:<16} {path}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def report(
+    run_dir: RunDirArg,
+    rollout_is: RolloutIsOpt = "token",
+    rollout_is_threshold: RolloutIsThresholdOpt = "2.0",
+    rollout_rs: RolloutRsOpt = None,
+    rollout_rs_threshold: RolloutRsThresholdOpt = None,
+    batch_normalize: BatchNormalizeOpt = False,
+    preset: PresetOpt = None,
+) -> None:
+    """Re-render a run's terminal report, plots, report.md and metrics.json from its files.
+
+    No model is needed; metrics are recomputed when the options differ from metrics.json's.
+    """
+    from mismatch_probe.report import load_run, write_outputs
+    from mismatch_probe.report.terminal import render_run
+
+    cfg = _metrics_config(
+        rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold, batch_normalize, preset
+    )
+    ctx = load_run(run_dir, cfg)
+    paths = write_outputs(ctx)
+    console = _stdout_console()
+    render_run(ctx, console)
+    _print_paths(console, paths)
+
+
+@app.command()
+def compare(
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="Run directories; ratios are to the first one.")
+    ],
+    out: CompareOutOpt = None,
+) -> None:
+    """Compare runs: key metrics with ratios to the first run, overlaid plots, compare.md.
+
+    Warns when the runs differ in model, prompts or sampling.
+    """
+    from mismatch_probe.report.compare import (
+        default_out_dir,
+        load_comparison,
+        render_comparison,
+        write_comparison,
+    )
+
+    comparison = load_comparison(run_dirs)
+    paths = write_comparison(comparison, out or default_out_dir())
+    console = _stdout_console()
+    render_comparison(comparison, console)
+    _print_paths(console, paths)
+
+
+@app.command()
+def check(run_dir: RunDirArg, max_bound: MaxBoundOpt = None, min_bound: MinBoundOpt = None) -> None:
+    """Check metric bounds (for CI): exit 0 when all hold, 1 when any fails, 2 on bad usage."""
+    from mismatch_probe.report.check import check_run, parse_bounds, render_check
+
+    results = check_run(run_dir, parse_bounds(max_bound or [], min_bound or []))
+    render_check(results, _stdout_console())
+    if not all(r.passed for r in results):
+        raise typer.Exit(1)
 
 
 # --- scan and models --------------------------------------------------------------------------
@@ -172,11 +297,51 @@ LogprobsModeOpt = Annotated[
     ),
 ]
 RolloutDtypeOpt = Annotated[
-    str, typer.Option("--rollout-dtype", help="vLLM dtype: float32, float16 or bfloat16.")
+    str,
+    typer.Option(
+        "--rollout-dtype",
+        help="vLLM dtype(s): float32, float16, bfloat16; a comma list runs each as a setting.",
+    ),
 ]
 TrainDtypeOpt = Annotated[
     str,
-    typer.Option("--train-dtype", help="Training-side dtype: float32, float16 or bfloat16."),
+    typer.Option(
+        "--train-dtype",
+        help="Training-side dtype(s): float32, float16, bfloat16; a comma list runs each.",
+    ),
+]
+KvCacheDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache-dtype",
+        help="vLLM KV-cache dtype(s): auto, fp8, fp8_e4m3, fp8_e5m2 (comma list).",
+    ),
+]
+QuantizationOpt = Annotated[
+    str,
+    typer.Option(
+        "--quantization",
+        help="vLLM weight quantization(s): none, fp8 (comma list; fp8 needs a GPU backend).",
+    ),
+]
+LmHeadFp32Opt = Annotated[
+    str,
+    typer.Option(
+        "--lm-head-fp32",
+        help="Run vLLM's LM head in float32 (hf_overrides head_dtype): off, on, or off,on.",
+    ),
+]
+SameTokensOpt = Annotated[
+    bool,
+    typer.Option(
+        "--same-tokens",
+        help="Score the first rollout setting's tokens in every engine (forced continuation, "
+        "raw prefill log-probs), so settings differ only by numerics.",
+    ),
+]
+StrictOpt = Annotated[
+    bool,
+    typer.Option("--strict", help="A setting the backend cannot run is an error (exit 2)."),
 ]
 ChatOpt = Annotated[
     bool | None,
@@ -224,6 +389,11 @@ def scan(
     logprobs_mode: LogprobsModeOpt = "processed",
     rollout_dtype: RolloutDtypeOpt = "bfloat16",
     train_dtype: TrainDtypeOpt = "float32",
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
+    quantization: QuantizationOpt = "none",
+    lm_head_fp32: LmHeadFp32Opt = "off",
+    same_tokens: SameTokensOpt = False,
+    strict: StrictOpt = False,
     chat: ChatOpt = None,
     out: OutOpt = None,
     vllm_arg: VllmArgOpt = None,
@@ -235,6 +405,7 @@ def scan(
     from mismatch_probe.rollout import parse_engine_args
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.scan import run_scan
+    from mismatch_probe.settings import parse_on_off, split_list
     from mismatch_probe.summary import render_summary
 
     if logprobs_mode not in ("processed", "raw"):
@@ -246,15 +417,20 @@ def scan(
         num_prompts=num_prompts,
         samples_per_prompt=samples_per_prompt,
         sampling=sampling,
-        rollout_dtype=rollout_dtype,
-        train_dtype=train_dtype,
+        rollout_dtypes=split_list(rollout_dtype),
+        train_dtypes=split_list(train_dtype),
+        kv_cache_dtypes=split_list(kv_cache_dtype),
+        quantizations=split_list(quantization),
+        lm_head_fp32=parse_on_off(lm_head_fp32, "--lm-head-fp32"),
+        same_tokens=same_tokens,
+        strict=strict,
         chat=chat,
         out=out,
         vllm_args=parse_engine_args(vllm_arg or []),
         batch_tokens=batch_tokens,
         flip_eps=flip_eps,
     )
-    render_summary(run_scan(cfg, Console(stderr=True)), Console())
+    render_summary(run_scan(cfg, Console(stderr=True)), _stdout_console())
 
 
 @models_app.command("prepare")
@@ -270,7 +446,13 @@ def models_prepare(
 @models_app.command("tiny")
 def models_tiny(
     out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
-    arch: Annotated[str, typer.Option("--arch", help="Architecture: llama.")] = "llama",
+    arch: Annotated[
+        str,
+        typer.Option(
+            "--arch",
+            help="Architecture: llama (dense); qwen3_moe or mixtral (MoE: 8 experts, top-2).",
+        ),
+    ] = "llama",
     seed: SeedOpt = 0,
 ) -> None:
     """Build a tiny random-weight checkpoint (for tests and trying the tool)."""

@@ -10,19 +10,28 @@ from typing import Any
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.settings import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    RolloutSetting,
+    Setting,
+    rollout_settings,
+    settings,
+)
 
-DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-# Support-flip margin by rollout dtype: about one unit in the last place of a probability near
-# 1, so a boundary within the rollout's own rounding error counts as a possible flip.
+# Support-flip margin by dtype: about one unit in the last place of a probability near 1, so a
+# boundary within either side's rounding error counts as a possible flip.
 FLIP_EPS = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
 
 
-def check_dtype(value: str, option: str) -> str:
-    if value not in DTYPES:
-        raise ProbeError(f"{option}: unknown dtype {value!r}; choose from {', '.join(DTYPES)}")
-    return value
+def _check_all(values: tuple[Any, ...], allowed: tuple[Any, ...], option: str) -> None:
+    if not values:
+        raise ProbeError(f"{option}: give at least one value")
+    for value in values:
+        if value not in allowed:
+            choices = ", ".join(map(str, allowed))
+            raise ProbeError(f"{option}: unknown value {value!r}; choose from {choices}")
 
 
 @dataclass(frozen=True)
@@ -34,18 +43,26 @@ class ScanConfig:
     num_prompts: int | None = None
     samples_per_prompt: int = 1
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    rollout_dtype: str = "bfloat16"
-    train_dtype: str = "float32"
+    rollout_dtypes: tuple[str, ...] = ("bfloat16",)
+    train_dtypes: tuple[str, ...] = ("float32",)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    quantizations: tuple[str, ...] = ("none",)
+    lm_head_fp32: tuple[bool, ...] = (False,)
+    same_tokens: bool = False  # later rollout settings score the first one's tokens
+    strict: bool = False  # a setting the backend cannot run is an error, not a skip
     chat: bool | None = None  # None: on when the tokenizer has a chat template
     out: Path | None = None
     vllm_args: dict[str, Any] = field(default_factory=dict)
     batch_tokens: int = 8192
-    flip_eps: float | None = None  # None: FLIP_EPS[rollout_dtype]
+    flip_eps: float | None = None  # None: FLIP_EPS[rollout dtype]
 
     def __post_init__(self) -> None:
         s = self.sampling
-        check_dtype(self.rollout_dtype, "--rollout-dtype")
-        check_dtype(self.train_dtype, "--train-dtype")
+        _check_all(self.rollout_dtypes, DTYPES, "--rollout-dtype")
+        _check_all(self.train_dtypes, DTYPES, "--train-dtype")
+        _check_all(self.kv_cache_dtypes, KV_CACHE_DTYPES, "--kv-cache-dtype")
+        _check_all(self.quantizations, QUANTIZATIONS, "--quantization")
+        _check_all(self.lm_head_fp32, (False, True), "--lm-head-fp32")
         checks = [
             (s.max_tokens >= 1, f"--max-tokens must be >= 1, got {s.max_tokens}"),
             (self.samples_per_prompt >= 1, "--samples-per-prompt must be >= 1"),
@@ -61,14 +78,19 @@ class ScanConfig:
             if not ok:
                 raise ProbeError(message)
 
-    @property
-    def setting(self) -> str:
-        """Readable name of this rollout/training precision pair."""
-        return f"rollout={DTYPE_SHORT[self.rollout_dtype]} | train={DTYPE_SHORT[self.train_dtype]}"
+    def rollout_settings(self) -> list[RolloutSetting]:
+        return rollout_settings(
+            self.rollout_dtypes, self.kv_cache_dtypes, self.quantizations, self.lm_head_fp32
+        )
 
-    @property
-    def resolved_flip_eps(self) -> float:
-        return FLIP_EPS[self.rollout_dtype] if self.flip_eps is None else self.flip_eps
+    def settings(self) -> list[Setting]:
+        return settings(self.rollout_settings(), self.train_dtypes)
+
+    def flip_eps_for(self, setting: Setting) -> float:
+        """The support-flip margin: the coarser of the two sides' dtypes, unless given."""
+        if self.flip_eps is not None:
+            return self.flip_eps
+        return max(FLIP_EPS[setting.rollout.dtype], FLIP_EPS[setting.train_dtype])
 
     def out_dir(self, model_name: str) -> Path:
         if self.out is not None:
@@ -79,6 +101,5 @@ class ScanConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["setting"] = self.setting
-        d["flip_eps"] = self.resolved_flip_eps
+        d["settings"] = [s.name for s in self.settings()]
         return d

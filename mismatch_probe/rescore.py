@@ -13,7 +13,7 @@ the logits of the columns that predict response tokens are computed (``logits_to
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,6 +81,7 @@ def rescore(
     flip_eps: float,
     batch_tokens: int = 8192,
     on_batch: Callable[[int], None] | None = None,
+    batch_context: Callable[[list[int]], AbstractContextManager[Any]] | None = None,
 ) -> list[Scored]:
     """Score every response token of ``requests`` with ``model``.
 
@@ -91,6 +92,10 @@ def rescore(
         flip_eps: support-flip margin (see ``sampling.token_logprobs``).
         batch_tokens: padded-token budget of one forward pass.
         on_batch: called with the number of response tokens after each batch (progress).
+        batch_context: called with the request indices of each batch, in row order; the
+            forward pass of that batch runs inside the returned context manager (used to
+            record or force MoE routes, ``mismatch_probe.routing.capture_train``). Rows are
+            right-padded to the longest ``prompt + response`` of the batch.
 
     Returns:
         One ``Scored`` per request, in request order.
@@ -100,7 +105,8 @@ def rescore(
     results: list[Scored | None] = [None] * len(requests)
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in requests]
     for batch in plan_batches(lengths, batch_tokens):
-        scored = _score_batch(model, [requests[i] for i in batch], spec, flip_eps)
+        with batch_context(batch) if batch_context is not None else nullcontext():
+            scored = _score_batch(model, [requests[i] for i in batch], spec, flip_eps)
         for i, s in zip(batch, scored, strict=True):
             results[i] = s
         if on_batch is not None:

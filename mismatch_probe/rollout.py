@@ -23,6 +23,7 @@ from typing import Any
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.prompts import EncodedPrompt
 from mismatch_probe.sampling import VLLM_LOGPROBS_MODE, SamplingSpec
+from mismatch_probe.settings import RolloutSetting
 
 # Defaults for a CPU machine: a small KV-cache budget so the training model fits beside the
 # engine, eager mode (no graph capture), and no per-step stats logging.
@@ -61,10 +62,19 @@ def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
     return args
 
 
+class EngineStartError(ProbeError):
+    """The engine cannot start with this setting (e.g. fp8 weights on a CPU backend)."""
+
+
 def engine_kwargs(
-    model: Path, dtype: str, spec: SamplingSpec, max_model_len: int, extra: dict[str, Any]
+    model: Path,
+    setting: RolloutSetting,
+    spec: SamplingSpec,
+    max_model_len: int,
+    extra: dict[str, Any],
 ) -> dict[str, Any]:
-    """All arguments for ``vllm.LLM``: our explicit settings, platform defaults, then ``extra``."""
+    """All arguments for ``vllm.LLM``, later entries winning: platform defaults, our explicit
+    settings, the precision setting's overrides, then the user's ``--vllm-arg`` values."""
     from vllm.platforms import current_platform
 
     defaults = dict(COMMON_ENGINE_DEFAULTS)
@@ -73,13 +83,24 @@ def engine_kwargs(
     return {
         **defaults,
         "model": str(model),
-        "dtype": dtype,
         "logprobs_mode": VLLM_LOGPROBS_MODE[spec.logprobs_mode],
         "generation_config": "vllm",
         "seed": spec.seed,
         "max_model_len": max_model_len,
+        **setting.engine_overrides(),
         **extra,
     }
+
+
+def check_supported(setting: RolloutSetting) -> None:
+    """Refuse, before a 25-second start, what this backend is known not to run."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and setting.quantization == "fp8":
+        raise EngineStartError(
+            "fp8 weight quantization is not supported by the vLLM CPU backend (its FP8 GEMM "
+            "kernels need a GPU); use --kv-cache-dtype fp8 for an fp8 KV cache instead"
+        )
 
 
 @contextmanager
@@ -91,7 +112,7 @@ def engine(kwargs: dict[str, Any]) -> Iterator[Any]:
     try:
         llm = LLM(**kwargs)
     except Exception as exc:  # vLLM raises many types for an engine that cannot start
-        raise ProbeError(f"vLLM could not start the engine: {_one_line(exc)}") from None
+        raise EngineStartError(f"vLLM could not start the engine: {_one_line(exc)}") from None
     try:
         yield llm
     finally:
@@ -175,3 +196,27 @@ def _to_rollout(seq_id: int, prompt: EncodedPrompt, sample_id: int, out: Any) ->
         finish_reason=str(out.finish_reason or "unknown"),
         response_text=out.text,
     )
+
+
+def score_forced(llm: Any, rollouts: Sequence[Rollout]) -> list[list[float]]:
+    """The engine's log-probabilities of given responses, fed as forced continuations.
+
+    Each prompt + response is one prompt; vLLM's prompt log-probabilities (``prompt_logprobs=0``:
+    the actual token's) are *raw* (no temperature, top-k, top-p) and come from prefill kernels.
+
+    Returns:
+        Per rollout, ``[R]`` log-probabilities of its response tokens.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    inputs = [TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.response_ids]) for r in rollouts]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    scores = []
+    for r, out in zip(rollouts, outputs, strict=True):
+        steps = out.prompt_logprobs[len(r.prompt_ids) :]
+        scores.append(
+            [float(step[tok].logprob) for tok, step in zip(r.response_ids, steps, strict=True)]
+        )
+    return scores

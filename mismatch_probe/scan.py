@@ -2,7 +2,14 @@
 
 prompts -> rollout engine (vLLM) -> training-side rescorer (transformers) -> token store
 (Parquet) -> metrics. Everything that can be wrong with the input (model, prompts, options) is
-checked before the engine starts; the engine is shut down before the training model loads.
+checked before any engine starts.
+
+A scan runs one or more precision *settings* (``settings.py``). Work is shared: one engine per
+rollout setting (started, used, shut down in turn, so the training model never shares memory
+with an engine), then one training model per training dtype, which rescores every rollout
+setting's tokens. With ``same_tokens`` the first rollout setting samples and every engine scores
+those tokens as forced continuations (raw prefill log-probabilities), so that settings differ
+only by numerics.
 """
 
 from __future__ import annotations
@@ -11,11 +18,10 @@ import platform
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from mismatch_probe import models, rescore, rollout, store
@@ -23,6 +29,9 @@ from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.progress import make_progress, vllm_progress
 from mismatch_probe.prompts import EncodedPrompt, default_prompts_path, encode_prompts, load_prompts
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.settings import RolloutSetting, Setting
+from mismatch_probe.tables import sequence_table, token_table
 
 
 class Timer:
@@ -48,8 +57,23 @@ class Prepared:
     prompts_path: Path
     chat: bool
     prompts: list[EncodedPrompt]
-    engine_kwargs: dict[str, Any]
+    max_model_len: int
     tokenizer: Any = field(repr=False)
+
+
+@dataclass
+class RolloutRun:
+    """One rollout setting's engine run (or why it was skipped)."""
+
+    setting: RolloutSetting
+    rollouts: list[rollout.Rollout] = field(default_factory=list)
+    generation_seconds: float = 0.0
+    skipped: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        tokens = sum(len(r.response_ids) for r in self.rollouts)
+        return tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
 
 
 @dataclass
@@ -57,7 +81,13 @@ class ScanResult:
     out_dir: Path
     paths: dict[str, Path]
     run: dict[str, Any]
-    metrics: dict[str, float]
+    settings: dict[str, dict[str, float]]  # setting name -> flat metrics, least mismatch first
+    skipped: dict[str, str]  # rollout setting name -> reason
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The first (reference) setting's metrics."""
+        return next(iter(self.settings.values()))
 
 
 def prepare(cfg: ScanConfig) -> Prepared:
@@ -74,11 +104,9 @@ def prepare(cfg: ScanConfig) -> Prepared:
     prompts_path = cfg.prompts or default_prompts_path()
     raw = load_prompts(prompts_path, cfg.num_prompts)
     encoded = encode_prompts(raw, tokenizer, chat, context, cfg.sampling.max_tokens)
-    longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens
-    kwargs = rollout.engine_kwargs(
-        model_dir, cfg.rollout_dtype, cfg.sampling, min(context, longest), cfg.vllm_args
-    )
-    return Prepared(model_dir, prompts_path, chat, encoded, kwargs, tokenizer)
+    # +1: a forced continuation (--same-tokens) asks for one token after a full response
+    longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1
+    return Prepared(model_dir, prompts_path, chat, encoded, min(context, longest), tokenizer)
 
 
 def _context_length(config: Any, tokenizer: Any) -> int:
@@ -93,164 +121,227 @@ def _context_length(config: Any, tokenizer: Any) -> int:
 
 def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     """Run the whole pipeline and write ``tokens.parquet``, ``sequences.parquet``,
-    ``run.json`` and ``metrics.json`` into the output directory."""
+    ``metrics.json``, ``settings.json`` and ``run.json`` into the output directory."""
     timer = Timer()
     with timer("prepare"):
         prep = prepare(cfg)
-    out = cfg.out_dir(prep.model_dir.name)
-    out.mkdir(parents=True, exist_ok=True)
     with make_progress(console) as progress:
-        rollouts = _generate(cfg, prep, timer, progress)
-        scored = _rescore(cfg, prep, rollouts, timer, progress)
+        runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
+        if cfg.same_tokens:
+            _share_tokens(cfg, prep, runs, timer)
+        scored = _rescore_all(cfg, prep, runs, timer, progress)
     with timer("writing"):
-        run = run_metadata(cfg, prep, timer.seconds)
-        paths = write_store(out, cfg.setting, rollouts, scored, prep.tokenizer, run)
+        out = cfg.out_dir(prep.model_dir.name)
+        out.mkdir(parents=True, exist_ok=True)
+        run = run_metadata(cfg, prep, runs, timer.seconds)
+        paths = write_store(out, scored, prep.tokenizer, run)
     with timer("metrics"):
-        from mismatch_probe.metrics import MetricsConfig, compute_metrics
-
-        metrics = compute_metrics(paths["tokens"], MetricsConfig())
-        paths["metrics"] = out / "metrics.json"
-        store.write_json(paths["metrics"], metrics.to_json_dict())
+        metrics = _metrics(paths, scored, runs)
     run["timings"] = dict(timer.seconds)
     paths["run"] = out / store.RUN_FILE
     store.write_json(paths["run"], run)
-    return ScanResult(out, paths, run, metrics.flat())
+    skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
+    return ScanResult(out, paths, run, metrics, skipped)
+
+
+def rescoring_spec(cfg: ScanConfig) -> SamplingSpec:
+    """Forced continuations give raw prefill log-probs: rescore those raw."""
+    return replace(cfg.sampling, logprobs_mode="raw") if cfg.same_tokens else cfg.sampling
+
+
+def _engine(cfg: ScanConfig, prep: Prepared, setting: RolloutSetting) -> Any:
+    rollout.check_supported(setting)
+    kwargs = rollout.engine_kwargs(
+        prep.model_dir, setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
+    )
+    return rollout.engine(kwargs)
 
 
 def _generate(
-    cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any
-) -> list[rollout.Rollout]:
+    cfg: ScanConfig, prep: Prepared, setting: RolloutSetting, timer: Timer, progress: Any
+) -> RolloutRun:
+    """Start this setting's engine and sample; a setting the backend can't run is skipped."""
+    run = RolloutRun(setting)
+    if cfg.same_tokens and not _is_first(cfg, setting):
+        return run  # scored on the reference tokens by _share_tokens
     total = len(prep.prompts) * cfg.samples_per_prompt
-    timer.seconds["engine_start"] = 0.0
-    start = time.perf_counter()
-    with rollout.engine(prep.engine_kwargs) as llm:
-        timer.seconds["engine_start"] = time.perf_counter() - start
-        with timer("generation"):
-            bar = vllm_progress(progress, "generation", total)
-            rollouts = rollout.generate(
-                llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
-            )
-    timer.seconds["engine_stop"] = (
-        time.perf_counter() - start - timer.seconds["engine_start"] - timer.seconds["generation"]
-    )
-    return rollouts
-
-
-def _rescore(
-    cfg: ScanConfig, prep: Prepared, rollouts: list[rollout.Rollout], timer: Timer, progress: Any
-) -> list[rescore.Scored]:
-    with timer("model_load"):
-        model = rescore.load_model(prep.model_dir, cfg.train_dtype)
-    task = progress.add_task(
-        "rescoring", total=sum(len(r.response_ids) for r in rollouts), unit="tokens"
-    )
-    requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in rollouts]
-    with timer("rescoring"):
-        return rescore.rescore(
-            model,
-            requests,
-            cfg.sampling,
-            cfg.resolved_flip_eps,
-            cfg.batch_tokens,
-            on_batch=lambda n: progress.update(task, advance=n),
+    try:
+        with timer("engine_start"):
+            cm = _engine(cfg, prep, setting)
+            llm = cm.__enter__()
+    except rollout.EngineStartError as exc:
+        if cfg.strict:
+            raise ProbeError(f"{setting.name}: {exc}") from None
+        run.skipped = str(exc)
+        return run
+    try:
+        start = time.perf_counter()
+        bar = vllm_progress(progress, f"gen {setting.name}", total)
+        run.rollouts = rollout.generate(
+            llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
         )
+        run.generation_seconds = time.perf_counter() - start
+        timer.seconds["generation"] = timer.seconds.get("generation", 0.0) + run.generation_seconds
+    finally:
+        with timer("engine_stop"):
+            cm.__exit__(None, None, None)
+    return run
+
+
+def _is_first(cfg: ScanConfig, setting: RolloutSetting) -> bool:
+    return setting == cfg.rollout_settings()[0]
+
+
+def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer: Timer) -> None:
+    """Score the reference setting's tokens in every engine (forced continuations)."""
+    reference = runs[0].rollouts
+    if not reference:
+        raise ProbeError(f"--same-tokens: the first setting did not run ({runs[0].skipped})")
+    for run in runs:
+        try:
+            with timer("engine_start"):
+                cm = _engine(cfg, prep, run.setting)
+                llm = cm.__enter__()
+        except rollout.EngineStartError as exc:
+            if cfg.strict:
+                raise ProbeError(f"{run.setting.name}: {exc}") from None
+            run.skipped = str(exc)
+            continue
+        try:
+            with timer("forced_scoring"):
+                start = time.perf_counter()
+                scores = rollout.score_forced(llm, reference)
+                run.generation_seconds = time.perf_counter() - start
+        finally:
+            with timer("engine_stop"):
+                cm.__exit__(None, None, None)
+        run.rollouts = [
+            replace(r, rollout_logprobs=lp) for r, lp in zip(reference, scores, strict=True)
+        ]
+
+
+def _rescore_all(
+    cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer: Timer, progress: Any
+) -> dict[Setting, tuple[list[rollout.Rollout], list[rescore.Scored]]]:
+    """One training model per dtype rescores every rollout setting that ran."""
+    done = [r for r in runs if r.rollouts]
+    if not done:
+        reasons = "; ".join(f"{r.setting.name}: {r.skipped}" for r in runs)
+        raise ProbeError(f"no setting could run ({reasons})")
+    scored: dict[Setting, tuple[list[rollout.Rollout], list[rescore.Scored]]] = {}
+    spec = rescoring_spec(cfg)
+    for train_dtype in cfg.train_dtypes:
+        with timer("model_load"):
+            model = rescore.load_model(prep.model_dir, train_dtype)
+        for run in done:
+            setting = Setting(run.setting, train_dtype)
+            total = sum(len(r.response_ids) for r in run.rollouts)
+            task = progress.add_task(f"score {setting.name}", total=total, unit="tokens")
+            requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in run.rollouts]
+            with timer("rescoring"):
+                result = rescore.rescore(
+                    model,
+                    requests,
+                    spec,
+                    cfg.flip_eps_for(setting),
+                    cfg.batch_tokens,
+                    on_batch=lambda n, task=task: progress.update(task, advance=n),
+                )
+            scored[setting] = (run.rollouts, result)
+        del model
+    order = {s: i for i, s in enumerate(cfg.settings())}
+    return dict(sorted(scored.items(), key=lambda item: order[item[0]]))
 
 
 def write_store(
     out: Path,
-    setting: str,
-    rollouts: list[rollout.Rollout],
-    scored: list[rescore.Scored],
+    scored: dict[Setting, tuple[list[rollout.Rollout], list[rescore.Scored]]],
     tokenizer: Any,
     run: dict[str, Any],
 ) -> dict[str, Path]:
-    """Write ``tokens.parquet`` and ``sequences.parquet`` (atomically) and return their paths."""
+    """Write ``tokens.parquet`` and ``sequences.parquet`` (atomically), every setting in one
+    file, each setting's sequences contiguous with their own seq_id range."""
     paths = {"tokens": out / store.TOKENS_FILE, "sequences": out / store.SEQUENCES_FILE}
-    tokens = token_table(setting, rollouts, scored, tokenizer)
-    store.write_table(paths["tokens"], tokens, store.TOKEN_SCHEMA, run)
-    store.write_table(
-        paths["sequences"], sequence_table(setting, rollouts, tokenizer), store.SEQUENCE_SCHEMA, run
-    )
+    tokens, sequences = [], []
+    for k, (setting, (rollouts, result)) in enumerate(scored.items()):
+        offset = k * len(rollouts)
+        tokens.append(token_table(setting.name, rollouts, result, tokenizer, offset))
+        sequences.append(sequence_table(setting.name, rollouts, tokenizer, offset))
+    store.write_table(paths["tokens"], pa.concat_tables(tokens), store.TOKEN_SCHEMA, run)
+    store.write_table(paths["sequences"], pa.concat_tables(sequences), store.SEQUENCE_SCHEMA, run)
     return paths
 
 
-def token_table(
-    setting: str, rollouts: list[rollout.Rollout], scored: list[rescore.Scored], tokenizer: Any
-) -> pa.Table:
-    """One row per response token (``store.TOKEN_SCHEMA``), sequences contiguous."""
-    lengths = np.array([len(r.response_ids) for r in rollouts], dtype=np.int64)
-    token_ids = np.array([t for r in rollouts for t in r.response_ids], dtype=np.int32)
-    texts = decode_tokens(tokenizer, token_ids)
-    per_seq = lambda values, dtype: np.repeat(np.array(values, dtype=dtype), lengths)  # noqa: E731
-    return pa.table(
-        {
-            "setting": pa.array([setting] * len(token_ids), pa.string()),
-            "seq_id": per_seq([r.seq_id for r in rollouts], np.int64),
-            "prompt_id": per_seq([r.prompt_id for r in rollouts], np.int64),
-            "sample_id": per_seq([r.sample_id for r in rollouts], np.int32),
-            "position": np.concatenate([np.arange(n, dtype=np.int32) for n in lengths] or [[]]),
-            "token_id": token_ids,
-            "token_text": pa.array(texts, pa.string()),
-            "rollout_logprob": np.array(
-                [x for r in rollouts for x in r.rollout_logprobs], dtype=np.float32
-            ),
-            "train_logprob": _concat([s.logprobs for s in scored], np.float32),
-            "support_flip": _concat([s.support_flip for s in scored], np.bool_),
-        }
-    )
+def _metrics(
+    paths: dict[str, Path],
+    scored: dict[Setting, Any],
+    runs: list[RolloutRun],
+) -> dict[str, dict[str, float]]:
+    """Metrics per setting: ``metrics.json`` (reference setting, full curves) and
+    ``settings.json`` (every setting, least mismatch first, with its generation throughput)."""
+    from mismatch_probe.metrics import MetricsConfig, compute_metrics
+
+    speed = {r.setting: r.tokens_per_s for r in runs}
+    results = {s: compute_metrics(paths["tokens"], MetricsConfig(), setting=s.name) for s in scored}
+    flat = {
+        s.name: {**m.flat(), "rollout_tokens_per_s": speed[s.rollout]} for s, m in results.items()
+    }
+    paths["metrics"] = paths["tokens"].with_name("metrics.json")
+    store.write_json(paths["metrics"], next(iter(results.values())).to_json_dict())
+    ranked = dict(sorted(flat.items(), key=lambda item: item[1]["k3_kl"]))
+    paths["settings"] = paths["tokens"].with_name("settings.json")
+    store.write_json(paths["settings"], {"order": list(ranked), "settings": ranked})
+    return {name: flat[name] for name in flat}
 
 
-def _concat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
-    return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
-
-
-def decode_tokens(tokenizer: Any, token_ids: np.ndarray) -> list[str]:
-    """Each token's text on its own (decoded once per distinct id)."""
-    unique = np.unique(token_ids).tolist()
-    text = dict(zip(unique, tokenizer.batch_decode([[t] for t in unique]), strict=True))
-    return [text[t] for t in token_ids.tolist()]
-
-
-def sequence_table(setting: str, rollouts: list[rollout.Rollout], tokenizer: Any) -> pa.Table:
-    """One row per response (``store.SEQUENCE_SCHEMA``)."""
-    prompt_texts = tokenizer.batch_decode([r.prompt_ids for r in rollouts])
-    return pa.table(
-        {
-            "setting": [setting] * len(rollouts),
-            "seq_id": pa.array([r.seq_id for r in rollouts], pa.int64()),
-            "prompt_id": pa.array([r.prompt_id for r in rollouts], pa.int64()),
-            "sample_id": pa.array([r.sample_id for r in rollouts], pa.int32()),
-            "prompt_text": prompt_texts,
-            "response_text": [r.response_text for r in rollouts],
-            "prompt_length": pa.array([len(r.prompt_ids) for r in rollouts], pa.int32()),
-            "response_length": pa.array([len(r.response_ids) for r in rollouts], pa.int32()),
-            "finish_reason": [r.finish_reason for r in rollouts],
-        }
-    )
-
-
-def run_metadata(cfg: ScanConfig, prep: Prepared, timings: dict[str, float]) -> dict[str, Any]:
+def run_metadata(
+    cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timings: dict[str, float]
+) -> dict[str, Any]:
     """Everything needed to reproduce and interpret the run (``run.json``)."""
+    spec = rescoring_spec(cfg)
     return {
         "tool": "mismatch_probe",
         "schema_version": store.SCHEMA_VERSION,
         "config": cfg.to_dict(),
-        "setting": cfg.setting,
+        "setting": cfg.settings()[0].name,
+        "settings": [s.name for s in cfg.settings()],
         "sampling": {
             **vars(cfg.sampling),
             "vllm_logprobs_mode": rollout.VLLM_LOGPROBS_MODE[cfg.sampling.logprobs_mode],
-            "rescoring": "processed" if cfg.sampling.processes_logits else "raw",
+            "rescoring": "processed" if spec.processes_logits else "raw",
+            "rollout_logprobs": _logprob_source(cfg),
         },
+        "rollouts": [_run_record(cfg, prep, r) for r in runs],
         "model": {
             "path": str(prep.model_dir.resolve()),
             "name": prep.model_dir.name,
             "config_sha256": models.config_hash(prep.model_dir),
         },
         "prompts": {"path": str(prep.prompts_path), "count": len(prep.prompts), "chat": prep.chat},
-        "engine_args": prep.engine_kwargs,
         "versions": library_versions(),
         "hardware": hardware(),
         "timings": dict(timings),
+    }
+
+
+def _logprob_source(cfg: ScanConfig) -> str:
+    if cfg.same_tokens:
+        return (
+            "prefill (forced continuation of the first setting's tokens): raw log-probs from "
+            "prefill kernels; measures numerics only, not sampling"
+        )
+    return f"decode ({cfg.sampling.logprobs_mode} log-probs of the sampled tokens)"
+
+
+def _run_record(cfg: ScanConfig, prep: Prepared, run: RolloutRun) -> dict[str, Any]:
+    return {
+        "setting": run.setting.name,
+        "engine_args": rollout.engine_kwargs(
+            prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
+        ),
+        "skipped": run.skipped,
+        "generation_seconds": run.generation_seconds,
+        "tokens_per_s": run.tokens_per_s,
     }
 
 

@@ -12,21 +12,22 @@ from rich.table import Table
 
 from mismatch_probe.scan import ScanResult
 
-# (metric key, label, format) in display order.
+# (metric key, column header, format) in display order.
 KEY_METRICS: tuple[tuple[str, str, str], ...] = (
-    ("num_tokens", "response tokens", "{:,.0f}"),
-    ("num_sequences", "responses", "{:,.0f}"),
-    ("k3_kl", "k3_kl  (KL estimate, k3)", "{:.3e}"),
-    ("kl", "kl  (k1, rollout - train)", "{:.3e}"),
-    ("chi2_token", "chi2_token", "{:.3e}"),
-    ("f_tau_2", "tokens with IS ratio outside [0.5, 2]", "{:.4%}"),
+    ("num_tokens", "tokens", "{:,.0f}"),
+    ("k3_kl", "k3_kl", "{:.2e}"),
+    ("kl", "kl", "{:.2e}"),
+    ("chi2_token", "chi2_token", "{:.2e}"),
+    ("f_tau_2", "ratio outside [0.5,2]", "{:.3%}"),
     ("prob_abs_diff_max", "max |dp|", "{:.4f}"),
-    ("support_flip_fraction", "support-flip tokens", "{:.4%}"),
+    ("support_flip_fraction", "flips", "{:.2%}"),
+    ("rollout_tokens_per_s", "rollout tok/s", "{:.1f}"),
 )
 PHASES = (
     "prepare",
     "engine_start",
     "generation",
+    "forced_scoring",
     "engine_stop",
     "model_load",
     "rescoring",
@@ -36,25 +37,37 @@ PHASES = (
 
 
 def render_summary(result: ScanResult, console: Console) -> None:
-    """Print the setting, key metrics, phase times and written paths."""
+    """Print the settings (least mismatch first), skips, recommendation, times and paths."""
     run = result.run
+    sampling = run["sampling"]
     console.print(
-        f"[bold]mismatch_probe[/] {run['model']['name']}  {run['setting']}  "
-        f"logprobs={run['sampling']['logprobs_mode']}  T={run['sampling']['temperature']}"
+        f"[bold]mismatch_probe[/] {run['model']['name']}  logprobs={sampling['logprobs_mode']}  "
+        f"T={sampling['temperature']} top_p={sampling['top_p']} top_k={sampling['top_k']}"
     )
-    console.print(_metrics_table(result.metrics))
-    console.print(_timings_line(run["timings"]))
+    ranked = sorted(result.settings.items(), key=lambda item: item[1]["k3_kl"])
+    console.print(settings_table(ranked))
+    for name, reason in result.skipped.items():
+        console.print(f"[yellow]skipped[/] {name}: {reason}", highlight=False)
+    if len(ranked) > 1:
+        best, metrics = ranked[0]
+        console.print(
+            f"lowest mismatch: [bold]{best}[/] (k3_kl {metrics['k3_kl']:.2e}, "
+            f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
+            highlight=False,
+        )
+    console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
         console.print(f"  {name:<10} {path}", highlight=False, soft_wrap=True)
 
 
-def _metrics_table(metrics: dict[str, Any]) -> Table:
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    for key, label, fmt in KEY_METRICS:
-        if key in metrics:
-            table.add_row(label, fmt.format(metrics[key]))
+def settings_table(ranked: list[tuple[str, dict[str, Any]]]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    table.add_column("setting", no_wrap=True)
+    for _, header, _ in KEY_METRICS:
+        table.add_column(header, justify="right", no_wrap=True)
+    for name, metrics in ranked:
+        cells = [fmt.format(metrics[key]) if key in metrics else "-" for key, _, fmt in KEY_METRICS]
+        table.add_row(name, *cells)
     return table
 
 

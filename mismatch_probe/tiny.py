@@ -3,6 +3,10 @@
 A tiny model is a normal transformers checkpoint directory: a byte-level BPE tokenizer trained
 here on a small built-in text (so any string encodes), a chat template, and a model with random
 weights whose head_dim is 32 (the smallest the vLLM CPU attention backend accepts).
+
+``ARCHS`` maps an architecture name to its config builder: ``llama`` (dense), and two
+mixture-of-experts models with 8 experts, top-2 routing in every layer: ``qwen3_moe``
+(Qwen3-MoE, renormalised top-k weights) and ``mixtral`` (Mixtral).
 """
 
 from __future__ import annotations
@@ -67,7 +71,57 @@ def _llama(vocab: int, eos: int) -> Any:
     )
 
 
-ARCHS: dict[str, Callable[[int, int], Any]] = {"llama": _llama}
+# The shared shape of the tiny MoE models: 2 layers, 8 experts, top-2, head_dim 32.
+_MOE_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.08,
+    "num_experts_per_tok": 2,
+    "bos_token_id": None,
+}
+
+
+def _qwen3_moe(vocab: int, eos: int) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_MOE_SHAPE,
+        vocab_size=vocab,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        head_dim=32,
+        eos_token_id=eos,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+def _mixtral(vocab: int, eos: int) -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **_MOE_SHAPE,
+        vocab_size=vocab,
+        intermediate_size=64,
+        num_local_experts=8,
+        head_dim=32,
+        eos_token_id=eos,
+        architectures=["MixtralForCausalLM"],
+    )
+
+
+ARCHS: dict[str, Callable[[int, int], Any]] = {
+    "llama": _llama,
+    "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
+}
 
 
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:

@@ -46,12 +46,17 @@ class EnginePool:
     def get(self, dtype: str, logprobs_mode: str) -> Any:
         from mismatch_probe import rollout
         from mismatch_probe.sampling import SamplingSpec
+        from mismatch_probe.settings import RolloutSetting
 
         if self.key != (dtype, logprobs_mode):
             self.close()
             spec = SamplingSpec(logprobs_mode=logprobs_mode)  # type: ignore[arg-type]
             kwargs = rollout.engine_kwargs(
-                self.model, dtype, spec, TINY_CONTEXT, {"kv_cache_memory_bytes": 128 << 20}
+                self.model,
+                RolloutSetting(dtype),
+                spec,
+                TINY_CONTEXT,
+                {"kv_cache_memory_bytes": 128 << 20},
             )
             self._cm = rollout.engine(kwargs)
             self.llm = self._cm.__enter__()

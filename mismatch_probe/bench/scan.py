@@ -21,7 +21,7 @@ def bench_scan() -> dict[str, Any]:
     timings = result.run["timings"]
     tokens = result.metrics["num_tokens"]
     return {
-        "setting": cfg.setting,
+        "setting": cfg.settings()[0].name,
         "response_tokens": tokens,
         "seconds": timings,
         "total_seconds": sum(timings.values()),

@@ -1,0 +1,76 @@
+"""Build the token store's tables from rollouts and their rescoring (``store`` schemas)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from mismatch_probe.rescore import Scored
+from mismatch_probe.rollout import Rollout
+
+
+def token_table(
+    setting: str,
+    rollouts: list[Rollout],
+    scored: list[Scored],
+    tokenizer: Any,
+    seq_offset: int = 0,
+) -> pa.Table:
+    """One row per response token (``store.TOKEN_SCHEMA``), sequences contiguous.
+
+    ``seq_offset`` is added to each rollout's ``seq_id`` so that ids stay unique when several
+    settings share one file.
+    """
+    lengths = np.array([len(r.response_ids) for r in rollouts], dtype=np.int64)
+    token_ids = np.array([t for r in rollouts for t in r.response_ids], dtype=np.int32)
+    texts = decode_tokens(tokenizer, token_ids)
+    per_seq = lambda values, dtype: np.repeat(np.array(values, dtype=dtype), lengths)  # noqa: E731
+    return pa.table(
+        {
+            "setting": pa.array([setting] * len(token_ids), pa.string()),
+            "seq_id": per_seq([r.seq_id + seq_offset for r in rollouts], np.int64),
+            "prompt_id": per_seq([r.prompt_id for r in rollouts], np.int64),
+            "sample_id": per_seq([r.sample_id for r in rollouts], np.int32),
+            "position": np.concatenate([np.arange(n, dtype=np.int32) for n in lengths] or [[]]),
+            "token_id": token_ids,
+            "token_text": pa.array(texts, pa.string()),
+            "rollout_logprob": np.array(
+                [x for r in rollouts for x in r.rollout_logprobs], dtype=np.float32
+            ),
+            "train_logprob": _concat([s.logprobs for s in scored], np.float32),
+            "support_flip": _concat([s.support_flip for s in scored], np.bool_),
+        }
+    )
+
+
+def _concat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+
+
+def decode_tokens(tokenizer: Any, token_ids: np.ndarray) -> list[str]:
+    """Each token's text on its own (decoded once per distinct id)."""
+    unique = np.unique(token_ids).tolist()
+    text = dict(zip(unique, tokenizer.batch_decode([[t] for t in unique]), strict=True))
+    return [text[t] for t in token_ids.tolist()]
+
+
+def sequence_table(
+    setting: str, rollouts: list[Rollout], tokenizer: Any, seq_offset: int = 0
+) -> pa.Table:
+    """One row per response (``store.SEQUENCE_SCHEMA``)."""
+    prompt_texts = tokenizer.batch_decode([r.prompt_ids for r in rollouts])
+    return pa.table(
+        {
+            "setting": [setting] * len(rollouts),
+            "seq_id": pa.array([r.seq_id + seq_offset for r in rollouts], pa.int64()),
+            "prompt_id": pa.array([r.prompt_id for r in rollouts], pa.int64()),
+            "sample_id": pa.array([r.sample_id for r in rollouts], pa.int32()),
+            "prompt_text": prompt_texts,
+            "response_text": [r.response_text for r in rollouts],
+            "prompt_length": pa.array([len(r.prompt_ids) for r in rollouts], pa.int32()),
+            "response_length": pa.array([len(r.response_ids) for r in rollouts], pa.int32()),
+            "finish_reason": [r.finish_reason for r in rollouts],
+        }
+    )

@@ -1,0 +1,128 @@
+"""Precision matrix: several settings in one scan, on the real engine and the tiny model."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from rich.console import Console
+
+from mismatch_probe import store
+from mismatch_probe.config import ScanConfig
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.scan import run_scan
+from mismatch_probe.settings import RolloutSetting, Setting
+
+pytestmark = pytest.mark.engine
+
+SMALL = {
+    "num_prompts": 4,
+    "samples_per_prompt": 3,
+    "vllm_args": {"kv_cache_memory_bytes": 64 << 20},
+}
+
+
+def scan(tiny_model: Path, prompts: Path, out: Path, **kwargs: Any) -> Any:
+    cfg = ScanConfig(
+        model=tiny_model,
+        prompts=prompts,
+        out=out,
+        sampling=SamplingSpec(max_tokens=24),
+        **SMALL,
+        **kwargs,
+    )
+    return run_scan(cfg, Console(file=io.StringIO()))
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    texts = ["What is the capital of France?", "Solve 3x + 5 = 20.", "def add(a, b):", "Hello"]
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return path
+
+
+@pytest.fixture(scope="module")
+def matrix(tiny_model: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """fp32/fp16/bf16 x KV auto/fp8 x quantization none/fp8 (skipped on CPU), train fp32."""
+    return scan(
+        tiny_model,
+        prompts,
+        tmp_path_factory.mktemp("matrix"),
+        rollout_dtypes=("float32", "float16", "bfloat16"),
+        kv_cache_dtypes=("auto", "fp8"),
+        quantizations=("none", "fp8"),
+    )
+
+
+def name(dtype: str, kv: str = "auto") -> str:
+    return Setting(RolloutSetting(dtype, kv)).name
+
+
+def test_matrix_orders_precisions(matrix: Any) -> None:
+    k3 = {n: m["k3_kl"] for n, m in matrix.settings.items()}
+    assert k3[name("float32")] < k3[name("float16")] < k3[name("bfloat16")]
+
+
+def test_fp8_kv_cache_adds_mismatch(matrix: Any) -> None:
+    k3 = {n: m["k3_kl"] for n, m in matrix.settings.items()}
+    assert k3[name("float32", "fp8")] > 10 * k3[name("float32")]
+
+
+def test_fp8_weights_are_skipped_with_reason(matrix: Any) -> None:
+    assert len(matrix.skipped) == 6
+    assert all("quant=fp8" in s for s in matrix.skipped)
+    assert all("--kv-cache-dtype fp8" in reason for reason in matrix.skipped.values())
+    assert len(matrix.settings) == 6
+
+
+def test_matrix_store_has_one_block_per_setting(matrix: Any) -> None:
+    tokens = pq.read_table(matrix.out_dir / store.TOKENS_FILE)
+    names = tokens.column("setting").unique().to_pylist()
+    assert sorted(names) == sorted(matrix.settings)
+    for setting in names:
+        rows = tokens.filter(pc.equal(tokens.column("setting"), setting))
+        assert matrix.settings[setting]["num_tokens"] == rows.num_rows
+    ranked = json.loads((matrix.out_dir / "settings.json").read_text())["order"]
+    k3 = [matrix.settings[n]["k3_kl"] for n in ranked]
+    assert k3 == sorted(k3)
+    assert all(m["rollout_tokens_per_s"] > 0 for m in matrix.settings.values())
+
+
+def test_same_tokens_gives_identical_ids(tiny_model: Path, prompts: Path, tmp_path: Path) -> None:
+    result = scan(
+        tiny_model,
+        prompts,
+        tmp_path,
+        rollout_dtypes=("float32", "float16", "bfloat16"),
+        same_tokens=True,
+    )
+    tokens = pq.read_table(tmp_path / store.TOKENS_FILE)
+    ids = {
+        s: tokens.filter(pc.equal(tokens.column("setting"), s)).column("token_id").to_pylist()
+        for s in result.settings
+    }
+    assert len(ids) == 3
+    assert len({tuple(v) for v in ids.values()}) == 1
+    k3 = {n: m["k3_kl"] for n, m in result.settings.items()}
+    assert k3[name("float32")] < k3[name("float16")] < k3[name("bfloat16")]
+    assert k3[name("float32")] < 1e-8  # prefill fp32 vs HF fp32, raw: the identity
+    assert result.run["sampling"]["rescoring"] == "raw"
+    assert "prefill" in result.run["sampling"]["rollout_logprobs"]
+
+
+def test_nothing_runnable_is_an_error(tiny_model: Path, prompts: Path, tmp_path: Path) -> None:
+    with pytest.raises(ProbeError, match="no setting could run"):
+        scan(tiny_model, prompts, tmp_path, quantizations=("fp8",))
+
+
+def test_strict_turns_a_skip_into_an_error(tiny_model: Path, prompts: Path, tmp_path: Path) -> None:
+    with pytest.raises(ProbeError, match="fp8 weight quantization is not supported"):
+        scan(tiny_model, prompts, tmp_path, quantizations=("fp8",), strict=True)
+    assert not (tmp_path / store.TOKENS_FILE).exists()
