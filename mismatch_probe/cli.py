@@ -99,22 +99,16 @@ def metrics_command(
     """Compute verl's rollout-correction metrics and our diagnostics for a token store."""
     import json
 
-    from mismatch_probe.metrics import PRESETS, MetricsConfig, compute_metrics, render_metrics
+    from mismatch_probe.metrics import compute_metrics, render_metrics
 
-    cfg = MetricsConfig(
-        rollout_is=rollout_is,
-        rollout_is_threshold=rollout_is_threshold,
-        rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-        batch_normalize=batch_normalize,
-        presets=tuple(preset) if preset is not None else tuple(PRESETS),
+    cfg = _metrics_config(
+        rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold, batch_normalize, preset
     )
     result = compute_metrics(path, cfg, setting=setting)
     if json_output:
         print(json.dumps(result.flat(), allow_nan=False))
     else:
-        render_metrics(result, Console())
-
+        render_metrics(result, _stdout_console())
 
 
 def _stdout_console() -> Console:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-TORCH_DTYPES = ("float32", "float16", "bfloat16")
+ROW_CHUNK = 512  # response tokens processed together after the forward (bounds [N, V] temporaries)
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,18 @@ def _score_batch(
     with torch.inference_mode():
         keep = torch.arange(first, ids.shape[1] - 1, device=device)  # columns that predict
         logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
-        picked = logits[rows, cols - first]  # [N, V]: the column before each response token
         targets = ids[rows, cols + 1]
-        logprobs, flips = token_logprobs(picked, targets, spec, flip_eps)
+        chunks = [
+            token_logprobs(
+                logits[rows[i : i + ROW_CHUNK], cols[i : i + ROW_CHUNK] - first],
+                targets[i : i + ROW_CHUNK],
+                spec,
+                flip_eps,
+            )
+            for i in range(0, len(rows), ROW_CHUNK)
+        ]  # [chunk, V] at a time: the column before each response token
+        logprobs = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0)
+        flips = torch.cat([c[1] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.bool)
     sizes = [len(r.response_ids) for r in batch]
     return [
         Scored(lp.numpy().astype("float32"), fl.numpy())

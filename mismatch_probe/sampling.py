@@ -88,7 +88,7 @@ def token_logprobs(
 def _top_k_top_p(
     logits: torch.Tensor, spec: SamplingSpec, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``apply_top_k_top_p_pytorch`` plus the boundary-margin test.
+    """vLLM's top-k then top-p masks, plus the boundary-margin test.
 
     Args:
         logits: ``[N, V]`` float32, already divided by the temperature.
@@ -98,20 +98,60 @@ def _top_k_top_p(
     """
     import torch
 
-    n, vocab = logits.shape
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    flip = torch.zeros(n, dtype=torch.bool, device=logits.device)
-    if spec.uses_top_k and spec.top_k < vocab:
-        kth = sorted_logits[:, vocab - spec.top_k : vocab - spec.top_k + 1]  # [N, 1]
-        below = sorted_logits[:, vocab - spec.top_k - 1]  # the best dropped logit
-        scale = kth[:, 0].abs().clamp(min=1.0)
-        flip |= (kth[:, 0] - below) < eps * scale
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    flip = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    if spec.uses_top_k and spec.top_k < logits.shape[1]:
+        logits, flip = _top_k(logits, spec.top_k, eps)
     if spec.uses_top_p:
-        cumsum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumsum <= 1 - spec.top_p
-        drop[:, -1] = False
-        flip |= ((cumsum - (1 - spec.top_p)).abs() < eps).any(dim=-1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    masked = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        logits, flip_p = _top_p(logits, spec.top_p, eps)
+        flip = flip | flip_p
+    return logits, flip
+
+
+def _top_k(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep every logit >= the k-th largest; flag rows where the k-th and (k+1)-th are within
+    ``eps`` (relative to the k-th's magnitude, at least 1)."""
+    top = logits.topk(k + 1, dim=-1).values  # [N, k+1], descending
+    kth, below = top[:, k - 1], top[:, k]
+    flip = (kth - below) < eps * kth.abs().clamp(min=1.0)
+    return logits.masked_fill(logits < kth[:, None], float("-inf")), flip
+
+
+def _top_p(
+    logits: torch.Tensor, p: float, eps: float, window: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's top-p without sorting the whole vocabulary.
+
+    vLLM sorts ascending and drops a token when the ascending cumulative probability up to it is
+    ``<= 1 - p``; equivalently (exact arithmetic) it keeps the descending prefix whose
+    *exclusive* cumulative probability (mass strictly above the token) is ``< p``. That prefix
+    almost always lies in the top ``window`` tokens, found with ``topk``; rows where it does not
+    (flat distributions) fall back to the full sort. A row is flagged when some exclusive
+    cumulative probability is within ``eps`` of ``p`` (the boundary could flip).
+    """
+
+    window = min(window, logits.shape[1])
+    probs = logits.softmax(dim=-1)
+    top_probs, top_idx = probs.topk(window, dim=-1)  # [N, W], descending
+    exclusive = top_probs.cumsum(dim=-1) - top_probs
+    kept = exclusive < p
+    flip = ((exclusive - p).abs() < eps).any(dim=-1)
+    last = kept.sum(dim=-1, keepdim=True) - 1  # index of the last kept token, >= 0
+    threshold = logits.gather(1, top_idx.gather(1, last))  # [N, 1]
+    masked = logits.masked_fill(logits < threshold, float("-inf"))
+    open_rows = kept[:, -1].nonzero()[:, 0] if window < logits.shape[1] else None
+    if open_rows is not None and len(open_rows):
+        masked[open_rows], flip[open_rows] = _top_p_sorted(logits[open_rows], p, eps)
     return masked, flip
+
+
+def _top_p_sorted(logits: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``apply_top_k_top_p_pytorch`` top-p, verbatim (full ascending sort)."""
+    import torch
+
+    sorted_logits, order = logits.sort(dim=-1)
+    cumsum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumsum <= 1 - p
+    drop[:, -1] = False
+    flip = ((cumsum - (1 - p)).abs() < eps).any(dim=-1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits), flip

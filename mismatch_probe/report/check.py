@@ -1,0 +1,110 @@
+"""``probe check``: bounds on a run's metrics, for a CI job on each pull request.
+
+``--max k3_kl=1e-3`` holds when ``k3_kl <= 1e-3``; ``--min prob_pearson=0.99`` when
+``prob_pearson >= 0.99``. Bad usage (no bound, ``METRIC=VALUE`` unparsable, a metric the run
+does not have) raises ``ProbeError`` (exit 2 at the CLI); the caller exits 1 when any bound
+fails. Metric names are the flat keys of ``metrics.json`` (``probe metrics --json``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.report.context import load_run
+from mismatch_probe.report.verdicts import RULES
+
+SYMBOL = {"max": ("≤", ">"), "min": ("≥", "<")}  # (holds, fails)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """``metric`` must stay at or below (``max``) or at or above (``min``) ``limit``."""
+
+    metric: str
+    kind: str
+    limit: float
+
+
+def parse_bound(spec: str, kind: str) -> Bound:
+    """``"k3_kl=1e-3"`` -> ``Bound("k3_kl", kind, 0.001)``."""
+    name, sep, text = (part.strip() for part in spec.partition("="))
+    if not sep or not name:
+        raise ProbeError(f"--{kind} {spec!r}: expected METRIC=VALUE, e.g. k3_kl=1e-3")
+    try:
+        limit = float(text)
+    except ValueError:
+        raise ProbeError(f"--{kind} {spec!r}: {text!r} is not a number") from None
+    if not math.isfinite(limit):
+        raise ProbeError(f"--{kind} {spec!r}: the bound must be a finite number")
+    return Bound(name, kind, limit)
+
+
+def parse_bounds(maxima: list[str], minima: list[str]) -> tuple[Bound, ...]:
+    """Every ``--max`` then every ``--min``; at least one is required."""
+    bounds = [parse_bound(s, "max") for s in maxima] + [parse_bound(s, "min") for s in minima]
+    if not bounds:
+        raise ProbeError("no bound given: use --max METRIC=VALUE and/or --min METRIC=VALUE")
+    return tuple(bounds)
+
+
+def check_names(bounds: tuple[Bound, ...], metrics: dict[str, float]) -> None:
+    """Fail on the first bound whose metric the run does not have, suggesting close names."""
+    for b in bounds:
+        if b.metric not in metrics:
+            close = difflib.get_close_matches(b.metric, list(metrics), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ProbeError(f"--{b.kind} {b.metric}: unknown metric{hint}")
+
+
+@dataclass(frozen=True)
+class BoundResult:
+    bound: Bound
+    value: float
+
+    @property
+    def passed(self) -> bool:
+        return RULES[self.bound.kind].holds(self.value, (self.bound.limit,))
+
+    @property
+    def excess(self) -> float:
+        """How far past the bound the value is (positive when it fails)."""
+        b = self.bound
+        return self.value - b.limit if b.kind == "max" else b.limit - self.value
+
+
+def evaluate_bounds(bounds: tuple[Bound, ...], metrics: dict[str, float]) -> list[BoundResult]:
+    check_names(bounds, metrics)
+    return [BoundResult(b, metrics[b.metric]) for b in bounds]
+
+
+def check_run(run_dir: Path, bounds: tuple[Bound, ...]) -> list[BoundResult]:
+    """Evaluate ``bounds`` on the run's metrics (``metrics.json``, recomputed if missing)."""
+    return evaluate_bounds(bounds, load_run(run_dir).metrics)
+
+
+def result_line(res: BoundResult) -> Text:
+    """``✔ PASS  k3_kl = 0.0005 ≤ 0.001 (max)`` or ``✘ FAIL ... > 0.001 (max) by ...``."""
+    b = res.bound
+    ok, bad = SYMBOL[b.kind]
+    head = Text("✔ PASS  ", style="green") if res.passed else Text("✘ FAIL  ", style="bold red")
+    head.append(f"{b.metric} = {res.value:.6g} {ok if res.passed else bad} {b.limit:g} ({b.kind})")
+    if not res.passed:
+        times = f", {res.value / b.limit:.3g}× the bound" if b.limit else ""
+        head.append(f" by {res.excess:.4g}{times}")
+    return head
+
+
+def render_check(results: list[BoundResult], console: Console) -> None:
+    """One line per bound, then a summary line."""
+    for res in results:
+        console.print(result_line(res), highlight=False)
+    failed = sum(not r.passed for r in results)
+    summary = f"{failed} of {len(results)} bounds failed" if failed else "all bounds hold"
+    console.print(summary, highlight=False)

@@ -1,0 +1,280 @@
+"""The six PNG plots of one run, and the curve drawers ``compare`` overlays.
+
+Each plot is a 6.5 x 4 inch figure at 110 dpi (about 715 x 440 px: legible at PR-comment
+width, tens of KB), titled with what it shows and with units on its axes. Figures are built
+with ``matplotlib.figure.Figure`` on the Agg canvas, never through pyplot, so no global state
+or GUI backend is touched; matplotlib is imported inside the functions (``probe --help`` stays
+fast).
+
+Everything is drawn from the metrics' curves (bounded size), except the probability scatter of a
+small run (at most ``SCATTER_MAX`` tokens), which reads the token store itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mismatch_probe.metrics import PRESETS
+from mismatch_probe.metrics.config import parse_is
+from mismatch_probe.report.context import RunContext, read_token_probs
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+FIGSIZE = (6.5, 4.0)
+DPI = 110
+SCATTER_MAX = 20_000
+TAU_TICKS = (1.001, 1.01, 1.1, 2.0, 10.0, 100.0)
+RATIO_TICKS = (0.05, 0.1, 0.2, 0.5, 0.8, 1.0, 1.25, 2.0, 5.0, 10.0, 20.0)
+POSITION_TICKS = tuple(2**k for k in range(16))
+
+
+def new_figure() -> tuple[Figure, Axes]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    return fig, fig.subplots()
+
+
+def save(fig: Figure, path: Path, title: str, subtitle: str) -> Path:
+    fig.suptitle(title, fontsize=11, fontweight="bold")
+    fig.axes[0].set_title(subtitle, fontsize=8.5, color="0.35")
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def plain_ticks(axis: Any, ticks: tuple[float, ...]) -> None:
+    """Major ticks of ``axis`` (``ax.xaxis``) at ``ticks``, written as plain numbers; no minor
+    labels. Ticks outside the view are not drawn, so later curves may widen the axis."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def log_y(ax: Axes, values: np.ndarray, label: str) -> None:
+    """Log y axis when any value is positive (an all-zero run stays linear), and its label."""
+    positive = bool(np.any(np.asarray(values) > 0)) or ax.get_yscale() == "log"
+    if positive:
+        ax.set_yscale("log")
+    ax.set_ylabel(f"{label} (log scale)" if positive else label)
+
+
+# --- curve drawers, shared with compare --------------------------------------------------------
+
+
+def draw_ratio_hist(ax: Axes, curves: dict[str, Any], label: str | None = None) -> None:
+    """Token counts per bin of ``rho = exp(r)``, log x; bins are those of ``log_ratio_hist``."""
+    hist = curves["log_ratio_hist"]
+    counts = np.asarray(hist["counts"], dtype=float)
+    edges = np.exp(np.linspace(hist["lo"], hist["hi"], len(counts) + 1))
+    used = np.flatnonzero(counts)
+    first, last = (used[0], used[-1] + 1) if len(used) else (0, len(counts))
+    ax.stairs(counts[first:last], edges[first : last + 1], label=label, linewidth=1.4)
+    ax.set_xscale("log")
+    plain_ticks(ax.xaxis, RATIO_TICKS)
+    log_y(ax, counts, "tokens per bin")
+    ax.set_xlabel("token IS ratio ρ = p_train / p_rollout (log scale)")
+
+
+def draw_position(
+    ax: Axes, curves: dict[str, Any], label: str = "", key: str = "mean_abs_log_ratio"
+) -> None:
+    """``key`` of each non-empty position bin at the bin's middle position (log2 x)."""
+    rows = [b for b in curves["position_bins"] if b["count"]]
+    mids = [(b["lo"] + (b["hi"] if b["hi"] is not None else 2 * b["lo"])) / 2 for b in rows]
+    values = [b[key] for b in rows]
+    ax.plot(mids, values, marker="o", markersize=4, label=label)
+    ax.set_xscale("log", base=2)
+    plain_ticks(ax.xaxis, POSITION_TICKS)
+    log_y(ax, np.asarray(values), "nats per token")
+    ax.set_xlabel("response position (tokens, middle of each bin)")
+
+
+def draw_f_tau(ax: Axes, curves: dict[str, Any], label: str | None = None) -> None:
+    """F(tau) at ``tau - 1`` on a log x axis labelled with tau; zero fractions are left out."""
+    points = [(p["tau"], p["fraction"]) for p in curves["f_tau"] if p["fraction"] > 0]
+    taus = np.array([t for t, _ in points])
+    if label is not None and not points:
+        label += " (0 at every τ)"
+    ax.plot(taus - 1.0, [f for _, f in points], marker="o", markersize=4, label=label)
+    ax.set_xscale("log")
+    log_y(ax, np.array([f for _, f in points]), "share of tokens with max(ρ, 1/ρ) > τ")
+    if ax.get_yscale() == "linear":  # nothing positive drawn yet
+        ax.set_ylim(0.0, 1.0)
+    ax.set_xticks([t - 1.0 for t in TAU_TICKS], [f"{t:g}" for t in TAU_TICKS])
+    ax.set_xlim(TAU_TICKS[0] - 1.0, TAU_TICKS[-1] - 1.0)
+    ax.set_xlabel("τ: ratio threshold (axis spaced by log(τ − 1))")
+
+
+# --- the six plots of one run ------------------------------------------------------------------
+
+
+def is_bounds(config: dict[str, Any]) -> tuple[float, tuple[float, float]]:
+    """(TIS cap C, IcePop [L, U]): from the run's IS config when it is of that kind, else from
+    the ``token_is`` / ``token_icepop`` presets."""
+    spec = parse_is("token", config.get("rollout_is_threshold") or "2.0")
+    default_tis = parse_is("token", PRESETS["token_is"].rollout_is_threshold)
+    default_pop = parse_is("token", PRESETS["token_icepop"].rollout_is_threshold)
+    tis = spec if spec is not None and not spec.icepop else default_tis
+    pop = spec if spec is not None and spec.icepop else default_pop
+    assert tis is not None and pop is not None and pop.lower is not None
+    return tis.upper, (pop.lower, pop.upper)
+
+
+def plot_ratio_hist(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    draw_ratio_hist(ax, ctx.curves)
+    cap, (low, high) = is_bounds(ctx.config)
+    ax.axvline(cap, color="tab:red", linestyle="--", label=f"TIS cap C = {cap:g}")
+    for x in (low, high):
+        ax.axvline(x, color="tab:purple", linestyle=":", linewidth=1.5)
+    ax.plot([], [], color="tab:purple", linestyle=":", label=f"IcePop [{low:g}, {high:g}]")
+    hist = ctx.curves["log_ratio_hist"]
+    outside = hist.get("underflow", 0) + hist.get("overflow", 0)
+    if outside:
+        ax.text(
+            0.01,
+            0.97,
+            f"{outside:,} tokens beyond the axis",
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+        )
+    ax.margins(x=0.08)
+    ax.legend(fontsize=8, loc="upper right")
+
+
+def plot_probs(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    """Scatter of (p_rollout, p_train) for a small run, 2-D density otherwise."""
+    if ctx.metrics.get("num_tokens", 0) <= SCATTER_MAX:
+        probs = read_token_probs(ctx.tokens_path, ctx.setting)
+        ax.scatter(probs.rollout, probs.train, s=5, alpha=0.35, linewidths=0, label="token")
+        flip = probs.flip
+        if flip.any():
+            ax.scatter(
+                probs.rollout[flip], probs.train[flip], s=14, color="tab:red", label="support flip"
+            )
+    else:
+        from matplotlib.colors import LogNorm
+
+        counts = np.asarray(ctx.curves["prob_hist2d"]["counts"], dtype=float)
+        image = ax.imshow(
+            np.ma.masked_equal(counts.T, 0),
+            origin="lower",
+            extent=(0, 1, 0, 1),
+            norm=LogNorm(),
+            cmap="viridis",
+            aspect="auto",
+        )
+        fig.colorbar(image, ax=ax, label="tokens per cell")
+    ax.plot([0, 1], [0, 1], color="0.3", linewidth=0.8, linestyle="--", label="p_train = p_rollout")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("rollout probability p_rollout (vLLM)")
+    ax.set_ylabel("training probability p_train")
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def plot_position(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    draw_position(ax, ctx.curves, "mean |log ρ|", "mean_abs_log_ratio")
+    draw_position(ax, ctx.curves, "mean k3 = ρ − 1 − log ρ", "mean_k3")
+    ax.legend(fontsize=8)
+
+
+def plot_seq_length(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    line = ctx.curves["seq_log_ratio_vs_length"]
+    length = np.asarray(line["length"], dtype=float)
+    ax.scatter(length, line["log_ratio_sum"], s=12, alpha=0.6, label="response")
+    xs = np.linspace(0.0, max(float(length.max(initial=0.0)), 1.0), 50)
+    slope = line["slope_per_1k"]
+    ax.plot(
+        xs,
+        line["intercept"] + slope * xs / 1000.0,
+        color="tab:red",
+        label=f"least squares: {slope:+.3g} nats per 1K tokens",
+    )
+    ax.axhline(0.0, color="0.5", linewidth=0.6)
+    ax.set_xlabel("response length (tokens)")
+    ax.set_ylabel("Σ log ρ over the response (nats)")
+    ax.legend(fontsize=8)
+
+
+def plot_f_tau(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    draw_f_tau(ax, ctx.curves)
+    zero = [p["tau"] for p in ctx.curves["f_tau"] if p["fraction"] == 0]
+    if zero:
+        ax.text(
+            0.99,
+            0.03,
+            f"F(τ) = 0 from τ = {min(zero):g} on (not drawn on a log axis)",
+            transform=ax.transAxes,
+            ha="right",
+            fontsize=8,
+        )
+    ax.axvline(
+        1.0, color="tab:red", linestyle="--", linewidth=1, label="τ = 2 (ρ outside [0.5, 2])"
+    )
+    ax.legend(fontsize=8)
+
+
+def plot_prob_bins(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    """Mean |log rho| per rollout-probability bin (bars) and the bin's share of all |log rho|."""
+    rows = ctx.curves["rollout_prob_bins"]
+    x = np.arange(len(rows))
+    means = np.array([b["mean_abs_log_ratio"] for b in rows])
+    ax.bar(x, means, color="tab:blue", label="mean |log ρ| (left axis)")
+    log_y(ax, means, "mean |log ρ| per token, nats")
+    if means.max(initial=0.0) > 0:  # headroom for the legend above the bars
+        ax.set_ylim(top=means.max() * (10.0 if ax.get_yscale() == "log" else 1.4))
+    ax.set_xticks(
+        x, [f"{b['lo']:g}–{b['hi']:g}" for b in rows], rotation=45, ha="right", fontsize=8
+    )
+    ax.set_xlabel("rollout probability bin")
+    share = ax.twinx()
+    shares = [100 * b["abs_log_ratio_share"] for b in rows]
+    share.plot(
+        x,
+        shares,
+        color="tab:orange",
+        marker="o",
+        markersize=4,
+        label="share of total |log ρ| (right axis)",
+    )
+    share.set_ylabel("share of total |log ρ| (%)")
+    share.set_ylim(0, 1.5 * max(max(shares), 1.0))  # headroom for the legend
+    handles = ax.get_legend_handles_labels()[0] + share.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
+
+
+PlotFn = Callable[["Figure", "Axes", RunContext], None]
+# name -> (title, drawer); the file is plots/<name>.png.
+PLOTS: dict[str, tuple[str, PlotFn]] = {
+    "ratio_hist": ("Token IS ratio ρ with the TIS and IcePop bounds", plot_ratio_hist),
+    "probs": ("Rollout vs training probability of each token", plot_probs),
+    "position": ("Mismatch by response position", plot_position),
+    "seq_length": ("Sequence log-ratio sum vs response length", plot_seq_length),
+    "f_tau": ("F(τ): share of tokens whose ratio exceeds τ either way", plot_f_tau),
+    "prob_bins": ("Mismatch by rollout-probability bin", plot_prob_bins),
+}
+
+
+def subtitle(ctx: RunContext) -> str:
+    model = ctx.run.get("model", {}).get("name", "")
+    return f"{model}  {ctx.label}  ({ctx.metrics.get('num_tokens', 0):,.0f} tokens)".strip()
+
+
+def write_plots(ctx: RunContext, out_dir: Path) -> dict[str, tuple[Path, str]]:
+    """Write every plot of ``PLOTS`` as ``out_dir/<name>.png``; returns name -> (path, title)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, (title, draw) in PLOTS.items():
+        fig, ax = new_figure()
+        draw(fig, ax, ctx)
+        written[name] = (save(fig, out_dir / f"{name}.png", title, subtitle(ctx)), title)
+    return written

@@ -1,0 +1,148 @@
+"""Which metrics a report shows, in which group and order, and how numbers are written.
+
+Shared by the terminal, Markdown and comparison reports so that they agree on names, order and
+formatting. Plain data plus two small functions; no rendering here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESET_PREFIX = "presets/"
+PRESET_COLUMNS = ("token_masked_fraction", "seq_masked_fraction", "eff_sample_size")
+
+# (key, what it means) for the key-metrics table of report.md and the rows of `probe compare`.
+KEY_METRICS: tuple[tuple[str, str], ...] = (
+    ("num_tokens", "response tokens"),
+    ("num_sequences", "responses"),
+    ("k3_kl", "KL(rollout‖train), k3 estimator: mean of ρ − 1 − log ρ"),
+    ("kl", "KL(rollout‖train), k1 estimator: mean of log p_rollout − log p_train"),
+    ("chi2_token", "token χ²: E[ρ²] − 1"),
+    ("chi2_seq", "sequence χ²: E[ρ_seq²] − 1"),
+    ("log_ratio_abs_mean", "mean |log ρ| per token (nats)"),
+    ("log_ratio_abs_max", "max |log ρ| (nats)"),
+    ("prob_abs_diff_mean", "mean |p_train − p_rollout|"),
+    ("prob_abs_diff_max", "max |p_train − p_rollout|"),
+    ("prob_pearson", "Pearson correlation of p_train and p_rollout"),
+    ("f_tau_1.1", "share of tokens with max(ρ, 1/ρ) > 1.1"),
+    ("f_tau_2", "share of tokens with ρ outside [0.5, 2]"),
+    ("rollout_is_eff_sample_size", "IS effective sample size (share of the batch)"),
+    ("seq_log_ratio_slope_per_1k", "slope of the sequence log-ratio sum (nats per 1K tokens)"),
+    ("support_flip_fraction", "share of tokens flagged as a support flip"),
+)
+
+OFF_POLICY = (
+    "kl",
+    "k3_kl",
+    "chi2_token",
+    "chi2_seq",
+    "training_ppl",
+    "rollout_ppl",
+    "ppl_ratio",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+)
+IMPORTANCE_SAMPLING = (
+    "rollout_is_mean",
+    "rollout_is_std",
+    "rollout_is_eff_sample_size",
+    "rollout_is_min",
+    "rollout_is_max",
+    "rollout_is_ratio_fraction_high",
+    "rollout_is_ratio_fraction_low",
+    "rollout_is_oob_ratio",
+    "rollout_is_batch_norm_factor",
+    "rollout_is_seq_mean",
+    "rollout_is_seq_std",
+    "rollout_is_seq_max_deviation",
+)
+DIAGNOSTICS = (
+    "log_ratio_abs_mean",
+    "log_ratio_abs_max",
+    "prob_abs_diff_mean",
+    "prob_abs_diff_max",
+    "seq_prob_abs_diff_max_mean",
+    "seq_prob_abs_diff_max_gt_0.5",
+    "prob_pearson",
+    "f_tau_1.01",
+    "f_tau_1.1",
+    "f_tau_1.5",
+    "f_tau_2",
+    "f_tau_5",
+    "f_tau_10",
+    "ipo_masked_fraction_0.1",
+    "ipo_masked_fraction_0.2",
+    "ipo_masked_fraction_0.3",
+    "seq_log_ratio_slope_per_1k",
+    "support_flip_fraction",
+    "support_flip_abs_log_ratio_share",
+    "support_flip_k3_share",
+)
+
+
+def rejection_keys(metrics: dict[str, float]) -> tuple[str, ...]:
+    """The masked fractions of the configured rejection options (none when RS is off)."""
+    return tuple(
+        k for k in metrics if k.startswith("rollout_rs_") and k.endswith("masked_fraction")
+    )
+
+
+def metric_groups(metrics: dict[str, float]) -> list[tuple[str, list[str]]]:
+    """``[(title, keys)]`` of the grouped tables, keeping only keys present and groups not
+    empty; presets have their own table."""
+    groups = (
+        ("Off-policy", OFF_POLICY),
+        ("Importance sampling", IMPORTANCE_SAMPLING),
+        ("Rejection sampling", rejection_keys(metrics)),
+        ("Extra diagnostics", DIAGNOSTICS),
+    )
+    out = [(title, [k for k in keys if k in metrics]) for title, keys in groups]
+    return [(title, keys) for title, keys in out if keys]
+
+
+def preset_rows(metrics: dict[str, float], config: dict) -> list[tuple[str, str, list[float]]]:
+    """``[(preset, correction, [token masked, seq masked, ESS])]`` for each computed preset."""
+    described = config.get("presets") or {}
+    rows = []
+    for name, correction in described.items():
+        keys = [f"{PRESET_PREFIX}{name}/{col}" for col in PRESET_COLUMNS]
+        if all(k in metrics for k in keys):
+            rows.append((name, correction, [metrics[k] for k in keys]))
+    return rows
+
+
+def fmt(key: str, value: float, digits: int = 4) -> str:
+    """A metric value for people: counts as integers, everything else to ``digits``
+    significant digits."""
+    if key.startswith("num_"):
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"
+
+
+def show_blank(token: str) -> str:
+    """A token made only of spaces shown as ␣ (it would be invisible otherwise)."""
+    return token if token.strip(" ") else token.replace(" ", "␣")
+
+
+def visible(text: str) -> str:
+    """Model text on one line: newlines and tabs shown as ⏎ and ⇥."""
+    return text.replace("\r", "").replace("\n", "⏎").replace("\t", "⇥")
+
+
+def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) -> list[tuple]:
+    """``[(name, value)]``: what was measured, from ``run.json`` (``?`` where it is silent)."""
+    s, prompts = run.get("sampling", {}), run.get("prompts", {})
+    sampling = " ".join(f"{k}={s[k]}" for k in ("temperature", "top_p", "top_k") if k in s)
+    return [
+        ("model", run.get("model", {}).get("name", "?")),
+        ("precisions", label),
+        ("prompts", f"{prompts.get('count', '?')} from {prompts.get('path', '?')}"),
+        ("chat template", prompts.get("chat", "?")),
+        ("sampling", sampling or "?"),
+        ("max tokens", s.get("max_tokens", "?")),
+        ("log-probs", s.get("logprobs_mode", "?")),
+        ("response tokens", fmt("num_tokens", metrics.get("num_tokens", 0.0))),
+        ("responses", fmt("num_sequences", metrics.get("num_sequences", 0.0))),
+    ]
