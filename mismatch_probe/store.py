@@ -153,24 +153,24 @@ def read_run_metadata(path: Path) -> dict[str, Any]:
 def iter_sequence_batches(
     path: Path, columns: Sequence[str] = METRIC_COLUMNS
 ) -> Iterator[pa.Table]:
-    """Yield tables of whole sequences, one Parquet row group at a time (bounded memory).
+    """Yield tables of whole sequences, a row group (or a bounded piece of one) at a time.
 
-    A sequence that continues into the next row group is carried over, so every yielded table
-    holds complete sequences. Rows of a sequence must be contiguous in the file (our writer
-    guarantees it); a sequence that reappears after others is an error, since its statistics
-    could not be computed in one pass.
+    Memory stays bounded whatever the file's row-group size (see ``_chunks``). A sequence that
+    continues into the next chunk is carried over, so every yielded table holds complete
+    sequences. Rows of a sequence must be contiguous in the file (our writer guarantees it); a
+    sequence that reappears after others is an error, since its statistics could not be
+    computed in one pass.
 
     Yields:
-        Tables with ``columns`` (plus ``seq_id``), rows sorted by (seq_id order of appearance,
-        position).
+        Tables with ``columns`` (plus ``seq_id``), rows in file order: each sequence's rows
+        together, sequences in order of appearance (rows are not re-sorted by position).
     """
     cols = list(dict.fromkeys(["seq_id", *columns]))
     pf = open_parquet(path, required=cols)
     seen: set[int] = set()
     carry: pa.Table | None = None
     try:
-        for i in range(pf.num_row_groups):
-            group = pf.read_row_group(i, columns=cols)
+        for group in _chunks(pf, cols):
             if carry is not None:
                 group = pa.concat_tables([carry, group])
             if group.num_rows == 0:
@@ -186,6 +186,15 @@ def iter_sequence_batches(
             yield carry
     except (pa.ArrowException, OSError) as exc:
         raise ProbeError(f"{path} is corrupt ({exc})") from None
+
+
+def _chunks(pf: pq.ParquetFile, cols: list[str]) -> Iterator[pa.Table]:
+    """The file as tables of at most ``2 * ROW_GROUP_TOKENS`` rows (one of our row groups fits
+    whole), reading one row group at a time: no read-ahead across groups, and a foreign file's
+    huge row group is decoded piece by piece."""
+    for i in range(pf.num_row_groups):
+        for batch in pf.iter_batches(2 * ROW_GROUP_TOKENS, row_groups=[i], columns=cols):
+            yield pa.Table.from_batches([batch])
 
 
 def _last_run_start(seq: Any) -> int:

@@ -83,7 +83,7 @@ CASES = {
     ),
     "unknown dtype": (
         lambda tmp, model: ["--model", str(model), "--rollout-dtype", "float8"],
-        "--rollout-dtype: unknown dtype 'float8'",
+        "--rollout-dtype: unknown value 'float8'",
     ),
     "prompt longer than context": (
         lambda tmp, model: [

@@ -1,0 +1,52 @@
+"""The metric engine: verl's rollout-correction metrics, exactly, plus our diagnostics.
+
+Public API::
+
+    from mismatch_probe.metrics import MetricsConfig, compute_metrics, PRESETS
+    result = compute_metrics("run/tokens.parquet", MetricsConfig(), setting=None)
+    result.flat()          # {name: float}, finite, spec names as keys
+    result.to_json_dict()  # flat() + "config" + "curves" (histograms, bins, worst tokens, ...)
+
+Flat key scheme:
+
+* spec names unchanged: ``rollout_is_*``, ``rollout_rs_<option>_*``, ``rollout_rs_*``, ``kl``,
+  ``k3_kl``, ``*_ppl``, ``log_ppl_*``, ``ppl_ratio``, ``chi2_token``, ``chi2_seq``, and the
+  spec's own diagnostics (``prob_abs_diff_*``, ``prob_pearson``, ``seq_log_ratio_slope_per_1k``,
+  ``ipo_masked_fraction_<eps>``);
+* ``f_tau_<tau>`` (``f_tau_2`` = share of tokens whose ratio is outside [0.5, 2]);
+* counts ``num_tokens``, ``num_sequences``, ``num_valid_sequences``;
+* overflow flags ``k3_kl_overflow``, ``ppl_overflow`` (1.0 when the value was capped);
+* ``presets/<name>/token_masked_fraction``, ``.../seq_masked_fraction``,
+  ``.../eff_sample_size``.
+
+Choices where the spec leaves room (verl's behaviour unless it would give NaN/inf):
+
+* k3 terms are ``expm1(x) - x`` (same value as ``exp(x) - 1 - x``, no cancellation at 1e-9);
+* log-probs below -9999 (``-inf`` included) are read as -9999; NaN/+inf is an error; a null
+  log-prob marks a padding row; an all-padding sequence is an empty one (counted in S);
+* ``k3_kl``, ``*_ppl``, ``ppl_ratio`` (and the sequence-level ``rollout_is_min``) that overflow
+  are capped at the largest float64; the first four raise ``k3_kl_overflow``/``ppl_overflow``;
+* ``rollout_is_batch_norm_factor`` only with ``batch_normalize`` (as verl);
+* thresholds must be finite; a single k1 threshold X < 1 is an error (L = 1/X > U);
+* a store holding several ``setting`` values needs ``setting=`` (no silent mixing).
+
+Module map: ``config`` (parsing, validation), ``batch`` (token batches, per-sequence
+reductions), ``weights`` (IS), ``rejection`` (RS), ``offpolicy``, ``diagnostics``, ``curves``,
+``preset_metrics``, ``stream`` (the one-pass engine), ``reference`` (dense in-memory check),
+``render`` (rich tables).
+"""
+
+from mismatch_probe.metrics.config import RS_OPTIONS, MetricsConfig
+from mismatch_probe.metrics.presets import PRESETS, Preset
+from mismatch_probe.metrics.render import render_metrics
+from mismatch_probe.metrics.stream import MetricsResult, compute_metrics
+
+__all__ = [
+    "PRESETS",
+    "RS_OPTIONS",
+    "MetricsConfig",
+    "MetricsResult",
+    "Preset",
+    "compute_metrics",
+    "render_metrics",
+]

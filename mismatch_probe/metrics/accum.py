@@ -1,0 +1,146 @@
+"""Streaming building blocks: mergeable moments, counts and the finishing formulas.
+
+Every metric module accumulates float64 sums, counts, maxima and mergeable moments (Chan et al.'s
+pairwise update, so a standard deviation over 20,000 sequences or a Pearson correlation over
+10 million tokens is exact to rounding and independent of how rows are split into batches).
+Nothing here keeps per-token or per-sequence lists.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from mismatch_probe.metrics.batch import EPS, TokenBatch
+
+FLOAT_MAX = sys.float_info.max  # an overflowing metric is reported as this, and flagged
+DEGENERATE_VAR = 1e-20  # a per-item variance below this counts as zero (constant list)
+
+
+class Moments:
+    """Count, mean, sum of squared deviations, min and max of a stream of values."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+
+    def add(self, x: np.ndarray) -> None:
+        """Merge the values ``x`` (``[k]``) into the running moments."""
+        if len(x) == 0:
+            return
+        nb, mb = len(x), float(np.mean(x))
+        n = self.n + nb
+        delta = mb - self.mean
+        self.m2 += float(np.sum((x - mb) ** 2)) + delta * delta * self.n * nb / n
+        self.mean += delta * nb / n
+        self.n = n
+        self.min = min(self.min, float(np.min(x)))
+        self.max = max(self.max, float(np.max(x)))
+
+    def std(self) -> float:
+        """Unbiased (n-1) standard deviation; 0 for fewer than two values."""
+        return math.sqrt(max(self.m2, 0.0) / (self.n - 1)) if self.n > 1 else 0.0
+
+    def get(self, attr: str) -> float:
+        """``mean``/``min``/``max``, 0 when no value was seen."""
+        return float(getattr(self, attr)) if self.n else 0.0
+
+
+class CoMoments:
+    """Count, means and co-moments of a stream of (x, y) pairs: correlation and LS slope."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mx = self.my = 0.0
+        self.sxx = self.syy = self.sxy = 0.0
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Merge the pairs ``(x[k], y[k])``."""
+        if len(x) == 0:
+            return
+        nb, mxb, myb = len(x), float(np.mean(x)), float(np.mean(y))
+        dxb, dyb = x - mxb, y - myb
+        n = self.n + nb
+        dx, dy, w = mxb - self.mx, myb - self.my, self.n * nb / n
+        # elementwise products, not BLAS dot: pairwise-summed and free of thread start-up cost
+        self.sxx += float((dxb * dxb).sum()) + dx * dx * w
+        self.syy += float((dyb * dyb).sum()) + dy * dy * w
+        self.sxy += float((dxb * dyb).sum()) + dx * dy * w
+        self.mx += dx * nb / n
+        self.my += dy * nb / n
+        self.n = n
+
+    def _flat(self, s: float) -> bool:
+        return s <= DEGENERATE_VAR * max(self.n, 1)
+
+    def pearson(self, identical: bool) -> float:
+        """Pearson r; for a constant list, 1.0 when the two lists are identical, else 0.0."""
+        if self._flat(self.sxx) or self._flat(self.syy):
+            return 1.0 if identical else 0.0
+        return max(-1.0, min(1.0, self.sxy / math.sqrt(self.sxx * self.syy)))
+
+    def slope(self) -> float:
+        """Least-squares slope of y on x; 0 when every x is the same."""
+        return 0.0 if self._flat(self.sxx) else self.sxy / self.sxx
+
+    def intercept(self) -> float:
+        return self.my - self.slope() * self.mx
+
+
+def mmean(total: float, n_tokens: float) -> float:
+    """verl's masked mean from a masked sum: ``sum / (count + 1e-8)``."""
+    return total / (n_tokens + EPS)
+
+
+def clamped_std(sum_c: float, sum_c2: float, n_tokens: float) -> float:
+    """``sqrt(max(0, mmean(c^2) - mmean(c)^2))``; 0 with fewer than two tokens."""
+    if n_tokens < 2:
+        return 0.0
+    return math.sqrt(max(0.0, mmean(sum_c2, n_tokens) - mmean(sum_c, n_tokens) ** 2))
+
+
+def eff_sample_size(sum_c: float, sum_c2: float, n_tokens: float) -> float:
+    """``1 / mmean((c / (mmean(c) + 1e-8))^2)``; 0 when every weight is 0."""
+    if sum_c2 <= 0.0:
+        return 0.0
+    mu = mmean(sum_c, n_tokens)
+    return 1.0 / mmean(sum_c2 / (mu + EPS) ** 2, n_tokens)
+
+
+def capped(value: float) -> tuple[float, bool]:
+    """A finite version of ``value`` and whether it overflowed (+-inf -> +-FLOAT_MAX)."""
+    if math.isinf(value):
+        return math.copysign(FLOAT_MAX, value), True
+    return value, False
+
+
+def exp_capped(x: float) -> float:
+    """``exp(x)``, ``FLOAT_MAX`` where it would overflow (the unclamped ``rollout_is_min``)."""
+    return math.exp(x) if x < math.log(FLOAT_MAX) else FLOAT_MAX
+
+
+@dataclass
+class Counts:
+    """Tokens and sequences seen so far: the denominators every module shares."""
+
+    tokens: int = 0  # valid response tokens, N = sum(m)
+    seqs: int = 0  # all sequences, S (empty ones included)
+    valid_seqs: int = 0  # sequences with at least one valid token
+
+    def update(self, b: TokenBatch) -> None:
+        self.tokens += int(b.m.sum())
+        self.seqs += b.num_seqs
+        self.valid_seqs += int((b.n > 0).sum())
+
+    def scalars(self) -> dict[str, float]:
+        return {
+            "num_tokens": float(self.tokens),
+            "num_sequences": float(self.seqs),
+            "num_valid_sequences": float(self.valid_seqs),
+        }

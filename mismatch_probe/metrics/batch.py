@@ -1,0 +1,184 @@
+"""Token batches: whole sequences, flattened, plus the per-sequence reductions over them.
+
+A ``TokenBatch`` holds the rows of one or more *complete* sequences (``iter_sequence_batches``
+guarantees it), one array entry per row, rows of a sequence contiguous. Every metric module
+works on these flat ``[N]`` arrays and reduces per sequence with ``seg_sum`` / ``seg_mean`` /
+``seg_max`` into ``[S_b]`` arrays (``S_b`` = sequences in the batch).
+
+Input rules, shared with the dense reference (``normalize_logprobs``):
+
+* a row whose ``train_logprob`` or ``rollout_logprob`` is null is padding (``m = 0``); a
+  sequence whose rows are all padding is an *empty* sequence (counted, not valid);
+* log-probabilities below ``LOGPROB_FLOOR`` (-9999, vLLM's JSON floor), ``-inf`` included, are
+  read as the floor, so every log-ratio is finite; NaN or ``+inf`` is an error;
+* probabilities (for the ``dp`` diagnostics) are ``prob(lp) = exp(min(lp, 0))``; the log-ratio
+  metrics use the log-probs as given.
+
+Sign convention: ``r = train_logprob - rollout_logprob`` (log of rho = train / rollout).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mismatch_probe.errors import ProbeError
+
+LOGPROB_FLOOR = -9999.0
+SAFETY_BOUND = 20.0  # verl's B: exp of a log-ratio goes through clamp(x, -B, B)
+EPS = 1e-8  # verl's masked_mean denominator guard
+
+
+class TokenBatch(NamedTuple):
+    """Whole sequences, flat. Shapes: ``[N]`` rows, ``[S_b]`` sequences.
+
+    Attributes:
+        train: ``[N]`` float64 training-side log-probs (0 at padding).
+        rollout: ``[N]`` float64 rollout log-probs (0 at padding).
+        r: ``[N]`` float64 ``train - rollout`` (0 at padding).
+        m: ``[N]`` bool, True for a real response token.
+        seg: ``[N]`` int64 index of the row's sequence in the batch.
+        starts: ``[S_b]`` int64 first row of each sequence.
+        n: ``[S_b]`` float64 valid tokens per sequence.
+        s: ``[S_b]`` float64 ``s_i = msum_i(r)``, the sequence log-ratio.
+        seq_id: ``[S_b]`` int64 ``seq_id`` of each sequence.
+        position: ``[N]`` int64 response position of each row.
+        flip: ``[N]`` bool support-flip flags, or None when the store has no such column.
+        token_id: ``[N]`` int64 token ids, or None.
+        memo: results of ``per_batch`` functions on this batch (filled lazily).
+    """
+
+    train: np.ndarray
+    rollout: np.ndarray
+    r: np.ndarray
+    m: np.ndarray
+    seg: np.ndarray
+    starts: np.ndarray
+    n: np.ndarray
+    s: np.ndarray
+    seq_id: np.ndarray
+    position: np.ndarray
+    flip: np.ndarray | None
+    token_id: np.ndarray | None
+    memo: dict[Any, Any]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.starts)
+
+
+def normalize_logprobs(values: np.ndarray, valid: np.ndarray, name: str) -> np.ndarray:
+    """Float64 copy of ``values`` with the floor applied and padding set to 0.
+
+    Raises:
+        ProbeError: a valid entry is NaN or ``+inf``.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    bad = valid & (np.isnan(x) | (x == np.inf))
+    if bad.any():
+        raise ProbeError(f"{name} holds NaN or +inf in a response token")
+    with np.errstate(invalid="ignore"):
+        return np.where(valid, np.maximum(x, LOGPROB_FLOOR), 0.0)
+
+
+def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Values (nulls as NaN) and the not-null mask of a numeric column."""
+    col = table.column(name)
+    valid = np.ones(len(col), dtype=bool) if col.null_count == 0 else ~pc.is_null(col).to_numpy()
+    values = pc.cast(col, pa.float64()).to_numpy()
+    return values, valid
+
+
+def _int_column(table: pa.Table, name: str) -> np.ndarray:
+    col = table.column(name)
+    if col.null_count:
+        raise ProbeError(f"column {name} holds nulls")
+    return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)
+
+
+def batch_from_table(table: pa.Table) -> TokenBatch:
+    """A pyarrow table of whole, contiguous sequences -> ``TokenBatch``.
+
+    Reads ``seq_id``, ``position``, ``train_logprob``, ``rollout_logprob`` and, when present,
+    ``support_flip`` and ``token_id``.
+    """
+    seq = _int_column(table, "seq_id")
+    train_raw, train_ok = _column(table, "train_logprob")
+    rollout_raw, rollout_ok = _column(table, "rollout_logprob")
+    m = train_ok & rollout_ok
+    train = normalize_logprobs(train_raw, m, "train_logprob")
+    rollout = normalize_logprobs(rollout_raw, m, "rollout_logprob")
+    r = train - rollout
+    change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64)
+    seg = np.zeros(len(seq), dtype=np.int64)
+    seg[change] = 1
+    seg = np.cumsum(seg)
+    flip = None
+    if "support_flip" in table.column_names:
+        flip = pc.fill_null(table.column("support_flip"), False).to_numpy().astype(bool)
+    token_id = _int_column(table, "token_id") if "token_id" in table.column_names else None
+    return TokenBatch(
+        train=train,
+        rollout=rollout,
+        r=r,
+        m=m,
+        seg=seg,
+        starts=starts,
+        n=np.bincount(seg, weights=m, minlength=len(starts)),
+        s=np.bincount(seg, weights=r, minlength=len(starts)),  # r is 0 at padding
+        seq_id=seq[starts],
+        position=_int_column(table, "position"),
+        flip=flip,
+        token_id=token_id,
+        memo={},
+    )
+
+
+def prob(logprob: np.ndarray) -> np.ndarray:
+    """Probabilities ``exp(min(lp, 0))``: a (noisy) positive log-prob counts as probability 1."""
+    return np.exp(np.minimum(logprob, 0.0))
+
+
+def seg_sum(b: TokenBatch, x: np.ndarray) -> np.ndarray:
+    """``msum_i(x)``: ``[N] -> [S_b]`` sum over each sequence's valid tokens."""
+    return np.bincount(b.seg, weights=np.where(b.m, x, 0.0), minlength=b.num_seqs)
+
+
+def seg_mean(b: TokenBatch, x: np.ndarray) -> np.ndarray:
+    """``mmean_i(x) = msum_i(x) / (n_i + 1e-8)``: ``[N] -> [S_b]`` (0 for an empty sequence)."""
+    return seg_sum(b, x) / (b.n + EPS)
+
+
+def seg_max(b: TokenBatch, x: np.ndarray) -> np.ndarray:
+    """``[N] -> [S_b]`` max over each sequence's valid tokens (0 for an empty sequence)."""
+    out = np.maximum.reduceat(np.where(b.m, x, -np.inf), b.starts)
+    return np.where(b.n > 0, out, 0.0)
+
+
+def clamp_b(x: np.ndarray) -> np.ndarray:
+    """``clampB(x) = clamp(x, -B, B)`` with verl's safety bound ``B = 20``."""
+    return np.clip(x, -SAFETY_BOUND, SAFETY_BOUND)
+
+
+T = TypeVar("T")
+
+
+def per_batch(fn: Callable[[TokenBatch, Any], T]) -> Callable[[TokenBatch, Any], T]:
+    """Memoise ``fn(batch, spec)`` on the batch (``spec`` hashable): the presets, IS and RS
+    modules ask for the same weights and statistics; each is computed once per batch.
+    Callers must not modify the arrays they get back."""
+
+    @functools.wraps(fn)
+    def cached(b: TokenBatch, spec: Any) -> T:
+        key = (fn.__name__, spec)
+        if key not in b.memo:
+            b.memo[key] = fn(b, spec)
+        return b.memo[key]
+
+    return cached

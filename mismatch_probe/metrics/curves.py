@@ -1,0 +1,194 @@
+"""Bounded-size curves for the reports stage, filled in the same single pass.
+
+``to_json_dict()["curves"]`` holds (all sizes fixed, whatever the number of tokens):
+
+* ``log_ratio_hist``: counts of ``r`` in ``LOG_RATIO_BINS`` equal bins over ``[-3, 3]`` plus
+  ``underflow`` (``r < -3``) and ``overflow`` (``r > 3``);
+* ``prob_hist2d``: ``PROB_HIST_BINS`` x ``PROB_HIST_BINS`` counts over ``[0, 1]^2``,
+  ``counts[i][j]``: rollout probability in bin i, train probability in bin j (equal bins,
+  1.0 in the last one);
+* ``position_bins`` / ``rollout_prob_bins``: per bin of response position (``POSITION_EDGES``,
+  last bin open) or of ``exp(rollout_lp)`` (``PROB_EDGES``): token count, mean ``r``, mean
+  ``|r|``, mean ``k3(clampB(r))``, mean ``dp`` and the bin's share of the total ``|r|``;
+* ``worst_tokens``: the ``WORST_TOKENS`` valid tokens of largest ``|r|`` (ties: smaller seq_id,
+  then smaller position first);
+* ``seq_log_ratio_vs_length``: least-squares line of ``s_i = msum_i(r)`` on the response length
+  in thousands of tokens over valid sequences, plus up to ``SEQ_SAMPLE`` points: the sequences
+  whose hashed seq_id is smallest (a reservoir that does not depend on row order or batching).
+
+The slope is also the flat key ``seq_log_ratio_slope_per_1k``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.metrics.accum import CoMoments, Counts
+from mismatch_probe.metrics.batch import TokenBatch, clamp_b, prob
+from mismatch_probe.metrics.diagnostics import prob_abs_diff
+from mismatch_probe.metrics.rejection import ESTIMATORS
+
+LOG_RATIO_RANGE = (-3.0, 3.0)
+LOG_RATIO_BINS = 121
+PROB_HIST_BINS = 50
+POSITION_EDGES = (0, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+PROB_EDGES = (0.0, 0.001, 0.01, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
+WORST_TOKENS = 10
+SEQ_SAMPLE = 2000
+_BIN_SUMS = ("log_ratio", "abs_log_ratio", "k3", "prob_abs_diff")
+
+
+def bin_index(values: np.ndarray, edges: tuple[float, ...], open_last: bool) -> np.ndarray:
+    """Bin of each value: ``edges[i] <= x < edges[i+1]``; the last bin takes the rest."""
+    nbins = len(edges) if open_last else len(edges) - 1
+    return np.clip(np.searchsorted(edges, values, side="right") - 1, 0, nbins - 1)
+
+
+def prob_hist2d(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``[B, B]`` counts of pairs in ``[0, 1]^2``: bin ``min(floor(v * B), B - 1)`` per axis."""
+    nb = PROB_HIST_BINS
+    ix = np.minimum((np.clip(x, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
+    iy = np.minimum((np.clip(y, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
+    return np.bincount(ix * nb + iy, minlength=nb * nb).reshape(nb, nb)
+
+
+def seq_hash(seq_id: np.ndarray) -> np.ndarray:
+    """splitmix64 of int64 ids (``[k]`` -> ``[k]`` uint64): an order-free sampling key."""
+    z = seq_id.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class BinnedStats:
+    """Counts and sums of ``_BIN_SUMS`` per bin."""
+
+    def __init__(self, edges: tuple[float, ...], open_last: bool) -> None:
+        self.edges, self.open_last = edges, open_last
+        self.nbins = len(edges) if open_last else len(edges) - 1
+        self.count = np.zeros(self.nbins, dtype=np.int64)
+        self.sums = {name: np.zeros(self.nbins) for name in _BIN_SUMS}
+
+    def add(self, keys: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        idx = bin_index(keys, self.edges, self.open_last)
+        self.count += np.bincount(idx, minlength=self.nbins)
+        for name in _BIN_SUMS:
+            self.sums[name] += np.bincount(idx, weights=values[name], minlength=self.nbins)
+
+    def rows(self) -> list[dict[str, Any]]:
+        total = float(self.sums["abs_log_ratio"].sum())
+        out = []
+        for i in range(self.nbins):
+            k = int(self.count[i])
+            row: dict[str, Any] = {
+                "lo": self.edges[i],
+                "hi": self.edges[i + 1] if i + 1 < len(self.edges) else None,
+                "count": k,
+            }
+            row.update({f"mean_{n}": float(self.sums[n][i]) / k if k else 0.0 for n in _BIN_SUMS})
+            share = float(self.sums["abs_log_ratio"][i]) / total if total else 0.0
+            row["abs_log_ratio_share"] = share
+            out.append(row)
+        return out
+
+
+class CurvesAccumulator:
+    """Streams the histograms, binned tables, worst tokens and the length regression."""
+
+    def __init__(self) -> None:
+        self.hist = np.zeros(LOG_RATIO_BINS, dtype=np.int64)
+        self.under = self.over = 0
+        self.hist2d = np.zeros((PROB_HIST_BINS, PROB_HIST_BINS), dtype=np.int64)
+        self.by_position = BinnedStats(POSITION_EDGES, open_last=True)
+        self.by_prob = BinnedStats(PROB_EDGES, open_last=False)
+        self.worst: list[dict[str, Any]] = []
+        self.line = CoMoments()  # (length / 1000, s_i) over valid sequences
+        self.sample = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+
+    def update(self, b: TokenBatch) -> None:
+        m = b.m
+        r = b.r[m]
+        lo, hi = LOG_RATIO_RANGE
+        self.hist += np.histogram(r, bins=LOG_RATIO_BINS, range=LOG_RATIO_RANGE)[0]
+        self.under += int((r < lo).sum())
+        self.over += int((r > hi).sum())
+        p_rollout, p_train = prob(b.rollout[m]), prob(b.train[m])
+        self.hist2d += prob_hist2d(p_rollout, p_train)
+        values = {
+            "log_ratio": r,
+            "abs_log_ratio": np.abs(r),
+            "k3": ESTIMATORS["k3"](clamp_b(r)),
+            "prob_abs_diff": prob_abs_diff(b.train[m], b.rollout[m]),
+        }
+        self.by_position.add(b.position[m], values)
+        self.by_prob.add(p_rollout, values)
+        self._update_worst(b)
+        self._update_line(b)
+
+    def _update_worst(self, b: TokenBatch) -> None:
+        rows = np.flatnonzero(b.m)
+        abs_r = np.abs(b.r[rows])
+        if len(rows) > WORST_TOKENS:  # keep every row tied with the k-th largest |r|
+            kth = np.partition(abs_r, len(rows) - WORST_TOKENS)[len(rows) - WORST_TOKENS]
+            rows, abs_r = rows[abs_r >= kth], abs_r[abs_r >= kth]
+        seq_ids = b.seq_id[b.seg[rows]]
+        order = np.lexsort((b.position[rows], seq_ids, -abs_r))[:WORST_TOKENS]
+        candidates = [_token_record(b, int(row)) for row in rows[order]]
+        merged = sorted(self.worst + candidates, key=_worst_key)
+        self.worst = merged[:WORST_TOKENS]
+
+    def _update_line(self, b: TokenBatch) -> None:
+        valid = b.n > 0
+        length, s = b.n[valid], b.s[valid]
+        self.line.add(length / 1000.0, s)
+        keys, ids, lengths, sums = self.sample
+        keys = np.concatenate([keys, seq_hash(b.seq_id[valid])])
+        ids = np.concatenate([ids, b.seq_id[valid]])
+        lengths, sums = np.concatenate([lengths, length]), np.concatenate([sums, s])
+        keep = np.argsort(keys, kind="stable")[:SEQ_SAMPLE]
+        self.sample = (keys[keep], ids[keep], lengths[keep], sums[keep])
+
+    def scalars(self, counts: Counts) -> dict[str, float]:
+        return {"seq_log_ratio_slope_per_1k": self.line.slope()}
+
+    def curves(self, counts: Counts) -> dict[str, Any]:
+        _, ids, lengths, sums = self.sample
+        order = np.argsort(ids, kind="stable")
+        return {
+            "log_ratio_hist": {
+                "lo": LOG_RATIO_RANGE[0],
+                "hi": LOG_RATIO_RANGE[1],
+                "counts": self.hist.tolist(),
+                "underflow": self.under,
+                "overflow": self.over,
+            },
+            "prob_hist2d": {"x": "rollout_prob", "y": "train_prob", "counts": self.hist2d.tolist()},
+            "position_bins": self.by_position.rows(),
+            "rollout_prob_bins": self.by_prob.rows(),
+            "worst_tokens": self.worst,
+            "seq_log_ratio_vs_length": {
+                "slope_per_1k": self.line.slope(),
+                "intercept": self.line.intercept() if self.line.n else 0.0,
+                "seq_id": ids[order].tolist(),
+                "length": lengths[order].astype(int).tolist(),
+                "log_ratio_sum": sums[order].tolist(),
+            },
+        }
+
+
+def _token_record(b: TokenBatch, row: int) -> dict[str, Any]:
+    return {
+        "seq_id": int(b.seq_id[b.seg[row]]),
+        "position": int(b.position[row]),
+        "token_id": int(b.token_id[row]) if b.token_id is not None else None,
+        "log_ratio": float(b.r[row]),
+        "train_logprob": float(b.train[row]),
+        "rollout_logprob": float(b.rollout[row]),
+        "support_flip": bool(b.flip[row]) if b.flip is not None else None,
+    }
+
+
+def _worst_key(rec: dict[str, Any]) -> tuple[float, int, int]:
+    return (-abs(rec["log_ratio"]), rec["seq_id"], rec["position"])

@@ -1,0 +1,117 @@
+"""Token-level diagnostics verl does not report (spec section 4; our names).
+
+* ``prob_abs_diff_*``: ``dp = |exp(train_lp) - exp(rollout_lp)|`` over valid tokens; per response
+  its max (``seq_prob_abs_diff_max_mean``: mean over all sequences of that max, 0 for an empty
+  one; ``seq_prob_abs_diff_max_gt_0.5``: fraction of all sequences whose max exceeds 0.5).
+* ``prob_pearson``: Pearson correlation of the two probability lists (1.0 when both are constant
+  and identical, 0.0 when constant and different).
+* ``f_tau_<tau>``: fraction of valid tokens with ``max(rho, 1/rho) = exp(|r|) > tau``; the
+  ``f_tau`` curve covers ``TAU_GRID`` (a superset of the spec's ``SPEC_TAUS``).
+* ``ipo_masked_fraction_<eps>``: fraction of valid tokens with ``dp > eps``.
+* ``log_ratio_abs_mean`` / ``_max``: ``mmean(|r|)`` and ``max |r|`` (the spec's "mean abs(r)").
+* Only when the store has ``support_flip``: ``support_flip_fraction`` (share of valid tokens
+  flagged), ``support_flip_abs_log_ratio_share`` and ``support_flip_k3_share`` (share of the
+  batch's total ``|r|`` / ``k3(clampB(r))`` carried by flagged tokens; 0 when the total is 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.metrics.accum import CoMoments, Counts, mmean
+from mismatch_probe.metrics.batch import TokenBatch, clamp_b, prob, seg_max
+from mismatch_probe.metrics.rejection import ESTIMATORS
+
+SPEC_TAUS = (1.01, 1.1, 1.5, 2.0, 5.0, 10.0)
+TAU_GRID = (1.001, 1.003, 1.01, 1.03, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 100.0)
+IPO_EPS = (0.1, 0.2, 0.3)
+SEQ_DP_LIMIT = 0.5
+
+
+def f_tau_key(tau: float) -> str:
+    return f"f_tau_{tau:g}"
+
+
+def prob_abs_diff(train: np.ndarray, rollout: np.ndarray) -> np.ndarray:
+    """``|p_train - p_rollout|`` elementwise (any shape), ``p = prob(lp)``."""
+    return np.abs(prob(train) - prob(rollout))
+
+
+def ratio_spread(r: np.ndarray) -> np.ndarray:
+    """``max(rho, 1/rho) = exp(|r|)``, with ``|r|`` capped at 700 (far above any tau)."""
+    return np.exp(np.minimum(np.abs(r), 700.0))
+
+
+def share(part: float, total: float) -> float:
+    return part / total if total > 0 else 0.0
+
+
+class DiagnosticsAccumulator:
+    """Streams the token-level diagnostics; ``has_flip`` adds the support-flip shares."""
+
+    def __init__(self, has_flip: bool) -> None:
+        self.has_flip = has_flip
+        self.sum_abs_r = self.max_abs_r = self.sum_dp = self.max_dp = 0.0
+        self.sum_seq_dp_max = 0.0
+        self.n_seq_dp_high = 0
+        self.probs = CoMoments()  # (exp(train), exp(rollout)) over valid tokens
+        self.n_tau = np.zeros(len(TAU_GRID), dtype=np.int64)
+        self.n_ipo = np.zeros(len(IPO_EPS), dtype=np.int64)
+        self.sum_k3 = self.n_flip = self.flip_abs_r = self.flip_k3 = 0.0
+
+    def update(self, b: TokenBatch) -> None:
+        m = b.m
+        r = b.r[m]
+        dp_all = prob_abs_diff(b.train, b.rollout)
+        dp = dp_all[m]
+        abs_r = np.abs(r)
+        self.sum_abs_r += float(abs_r.sum())
+        self.sum_dp += float(dp.sum())
+        if len(r):
+            self.max_abs_r = max(self.max_abs_r, float(abs_r.max()))
+            self.max_dp = max(self.max_dp, float(dp.max()))
+        seq_dp = seg_max(b, dp_all)
+        self.sum_seq_dp_max += float(seq_dp.sum())
+        self.n_seq_dp_high += int((seq_dp > SEQ_DP_LIMIT).sum())
+        self.probs.add(prob(b.train[m]), prob(b.rollout[m]))
+        spread = ratio_spread(r)
+        self.n_tau += [int((spread > tau).sum()) for tau in TAU_GRID]
+        self.n_ipo += [int((dp > eps).sum()) for eps in IPO_EPS]
+        if self.has_flip and b.flip is not None:
+            k3 = ESTIMATORS["k3"](clamp_b(r))
+            flip = b.flip[m]
+            self.sum_k3 += float(k3.sum())
+            self.n_flip += float(flip.sum())
+            self.flip_abs_r += float(abs_r[flip].sum())
+            self.flip_k3 += float(k3[flip].sum())
+
+    def scalars(self, counts: Counts) -> dict[str, float]:
+        n, s = counts.tokens, counts.seqs
+        out = {
+            "log_ratio_abs_mean": mmean(self.sum_abs_r, n),
+            "log_ratio_abs_max": self.max_abs_r,
+            "prob_abs_diff_mean": mmean(self.sum_dp, n),
+            "prob_abs_diff_max": self.max_dp,
+            "seq_prob_abs_diff_max_mean": self.sum_seq_dp_max / s,
+            f"seq_prob_abs_diff_max_gt_{SEQ_DP_LIMIT:g}": self.n_seq_dp_high / s,
+            "prob_pearson": self.probs.pearson(identical=self.max_dp == 0.0),
+        }
+        fractions = dict(zip(TAU_GRID, (mmean(int(k), n) for k in self.n_tau), strict=True))
+        out.update({f_tau_key(tau): fractions[tau] for tau in SPEC_TAUS})
+        for eps, k in zip(IPO_EPS, self.n_ipo, strict=True):
+            out[f"ipo_masked_fraction_{eps:g}"] = mmean(int(k), n)
+        if self.has_flip:
+            out["support_flip_fraction"] = mmean(self.n_flip, n)
+            out["support_flip_abs_log_ratio_share"] = share(self.flip_abs_r, self.sum_abs_r)
+            out["support_flip_k3_share"] = share(self.flip_k3, self.sum_k3)
+        return out
+
+    def curves(self, counts: Counts) -> dict[str, Any]:
+        return {
+            "f_tau": [
+                {"tau": tau, "fraction": mmean(int(k), counts.tokens)}
+                for tau, k in zip(TAU_GRID, self.n_tau, strict=True)
+            ]
+        }

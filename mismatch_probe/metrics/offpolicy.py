@@ -1,0 +1,80 @@
+"""Off-policy metrics, always computed (spec section 3; verl's ``compute_offpolicy_metrics``).
+
+Direction: ``kl = mmean(rollout_lp - train_lp)`` is the k1 estimate of KL(rollout || train);
+``r = train_lp - rollout_lp``. "Mean over sequences" divides by all S sequences, empty ones
+included (their per-sequence means are 0), as verl's ``.mean()`` over the batch does.
+
+Overflow: ``k3_kl`` (unclamped ``exp(r)``), ``*_ppl`` and ``ppl_ratio`` can exceed float64. Such a
+value is reported as the largest float64 (1.797e308) and flagged: ``k3_kl_overflow`` = 1.0, or
+``ppl_overflow`` = 1.0 for any of ``training_ppl``, ``rollout_ppl``, ``ppl_ratio``. Both flags are
+always present (0.0 when nothing overflowed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mismatch_probe.metrics.accum import Counts, Moments, capped, mmean
+from mismatch_probe.metrics.batch import TokenBatch, clamp_b, seg_mean
+
+PPL_KEYS = ("training_ppl", "rollout_ppl", "ppl_ratio")
+
+
+def k3_terms(r: np.ndarray) -> np.ndarray:
+    """Per-token ``exp(r) - r - 1`` (as ``expm1(r) - r``); ``+inf`` where ``exp(r)`` overflows."""
+    with np.errstate(over="ignore"):
+        return np.expm1(r) - r
+
+
+class OffPolicyAccumulator:
+    """Streams kl, k3_kl, the perplexities, log-ppl differences and chi-square metrics."""
+
+    def __init__(self) -> None:
+        self.sum_neg_r = self.sum_k3 = self.sum_rho2 = 0.0  # over valid tokens
+        self.sum_ppl_train = self.sum_lppl_train = 0.0  # over all sequences
+        self.sum_ppl_rollout = self.sum_lppl_rollout = 0.0
+        self.d = Moments()  # d_i = mmean_i(rollout) - mmean_i(train), all sequences
+        self.sum_abs_d = self.sum_exp_d = self.sum_rho2_seq = 0.0
+
+    def update(self, b: TokenBatch) -> None:
+        m = b.m
+        self.sum_neg_r += float((b.rollout - b.train)[m].sum())
+        self.sum_k3 += float(k3_terms(b.r[m]).sum())
+        self.sum_rho2 += float((np.exp(clamp_b(b.r[m])) ** 2).sum())
+        mean_train, mean_rollout = seg_mean(b, b.train), seg_mean(b, b.rollout)
+        d = mean_rollout - mean_train
+        with np.errstate(over="ignore"):
+            self.sum_ppl_train += float(np.exp(-mean_train).sum())
+            self.sum_ppl_rollout += float(np.exp(-mean_rollout).sum())
+            self.sum_exp_d += float(np.exp(d).sum())
+        self.sum_lppl_train += float((-mean_train).sum())
+        self.sum_lppl_rollout += float((-mean_rollout).sum())
+        self.d.add(d)
+        self.sum_abs_d += float(np.abs(d).sum())
+        self.sum_rho2_seq += float(np.exp(2.0 * clamp_b(b.s)).sum())
+
+    def scalars(self, counts: Counts) -> dict[str, float]:
+        n, s = counts.tokens, counts.seqs
+        k3_kl, k3_over = capped(mmean(self.sum_k3, n))
+        ppl = {
+            "training_ppl": capped(self.sum_ppl_train / s),
+            "rollout_ppl": capped(self.sum_ppl_rollout / s),
+            "ppl_ratio": capped(self.sum_exp_d / s),
+        }
+        return {
+            "training_ppl": ppl["training_ppl"][0],
+            "training_log_ppl": self.sum_lppl_train / s,
+            "kl": mmean(self.sum_neg_r, n),
+            "k3_kl": k3_kl,
+            "rollout_ppl": ppl["rollout_ppl"][0],
+            "rollout_log_ppl": self.sum_lppl_rollout / s,
+            "log_ppl_diff": self.d.get("mean"),
+            "log_ppl_abs_diff": self.sum_abs_d / s,
+            "log_ppl_diff_max": self.d.get("max"),
+            "log_ppl_diff_min": self.d.get("min"),
+            "ppl_ratio": ppl["ppl_ratio"][0],
+            "chi2_token": mmean(self.sum_rho2, n) - 1.0,
+            "chi2_seq": self.sum_rho2_seq / s - 1.0,
+            "k3_kl_overflow": float(k3_over),
+            "ppl_overflow": float(any(over for _, over in ppl.values())),
+        }

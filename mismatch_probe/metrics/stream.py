@@ -1,0 +1,147 @@
+"""The one-pass metric engine over a token store.
+
+``compute_metrics`` reads the store one row group at a time through
+``store.iter_sequence_batches`` (whole sequences per batch) and feeds every accumulator; memory
+is bounded by one row group plus fixed-size state (sums, moments, histograms, a 10-token heap and
+a 2,000-sequence sample), whatever the number of tokens.
+
+The result is a ``MetricsResult``: ``flat()`` is one ``{name: float}`` dict, finite everywhere,
+with the spec's names (``kl``, ``rollout_is_mean``, ...) and ours (``f_tau_2``,
+``presets/token_is/eff_sample_size``, ...); ``to_json_dict()`` adds ``config`` and ``curves``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics.accum import Counts
+from mismatch_probe.metrics.batch import TokenBatch, batch_from_table
+from mismatch_probe.metrics.config import MetricsConfig
+from mismatch_probe.metrics.curves import CurvesAccumulator
+from mismatch_probe.metrics.diagnostics import DiagnosticsAccumulator
+from mismatch_probe.metrics.offpolicy import OffPolicyAccumulator
+from mismatch_probe.metrics.preset_metrics import PresetAccumulator
+from mismatch_probe.metrics.rejection import RSAccumulator
+from mismatch_probe.metrics.weights import ISAccumulator
+from mismatch_probe.store import (
+    METRIC_COLUMNS,
+    iter_sequence_batches,
+    open_parquet,
+    resolve_tokens_path,
+)
+
+OPTIONAL_COLUMNS = ("support_flip", "token_id")
+
+
+class Accumulator(Protocol):
+    def update(self, b: TokenBatch) -> None: ...
+
+    def scalars(self, counts: Counts) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class MetricsResult:
+    """Metrics of one token store (or one setting of it)."""
+
+    config: MetricsConfig
+    scalars: dict[str, float]
+    curves: dict[str, Any]
+
+    def flat(self) -> dict[str, float]:
+        """``{name: value}``, every value a finite float."""
+        return dict(self.scalars)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """``flat()`` plus ``config`` (the settings used) and ``curves`` (see ``curves.py``)."""
+        return {**self.scalars, "config": self.config.describe(), "curves": self.curves}
+
+
+class Engine:
+    """Every accumulator a configuration needs, fed batch by batch."""
+
+    def __init__(self, config: MetricsConfig, has_flip: bool) -> None:
+        self.config = config
+        self.counts = Counts()
+        self.diagnostics = DiagnosticsAccumulator(has_flip)
+        self.curves = CurvesAccumulator()
+        parts: list[Accumulator] = []
+        if config.is_spec is not None:
+            parts.append(ISAccumulator(config.is_spec, config.batch_normalize))
+        if config.rs_specs:
+            parts.append(RSAccumulator(config.rs_specs))
+        parts += [OffPolicyAccumulator(), self.diagnostics, self.curves]
+        parts += [PresetAccumulator(p) for p in config.preset_specs]
+        self.parts = parts
+
+    def update(self, b: TokenBatch) -> None:
+        self.counts.update(b)
+        for part in self.parts:
+            part.update(b)
+
+    def result(self, source: str) -> MetricsResult:
+        if self.counts.tokens == 0:
+            raise ProbeError(f"{source}: no valid response token")
+        scalars = self.counts.scalars()
+        for part in self.parts:
+            scalars.update({k: float(v) for k, v in part.scalars(self.counts).items()})
+        bad = [k for k, v in scalars.items() if not math.isfinite(v)]
+        if bad:  # a bug, not bad input: every formula is meant to stay finite
+            raise AssertionError(f"non-finite metrics: {', '.join(bad)}")
+        curves = {**self.diagnostics.curves(self.counts), **self.curves.curves(self.counts)}
+        return MetricsResult(self.config, scalars, curves)
+
+
+def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.Table:
+    if "setting" not in table.column_names:
+        return table
+    seen.update(pc.unique(table.column("setting")).to_pylist())
+    if setting is None:
+        return table
+    return table.filter(pc.equal(table.column("setting"), setting))
+
+
+def _check_settings(path: Path, setting: str | None, seen: set[str]) -> None:
+    if setting is None and len(seen) > 1:
+        names = ", ".join(sorted(seen))
+        raise ProbeError(f"{path} holds {len(seen)} settings ({names}); choose one")
+    if setting is not None and setting not in seen:
+        names = ", ".join(sorted(seen)) or "none"
+        raise ProbeError(f"{path}: no rows with setting {setting!r} (settings: {names})")
+
+
+def compute_metrics(
+    path: Path | str, config: MetricsConfig | None = None, setting: str | None = None
+) -> MetricsResult:
+    """All metrics of a token store in one streaming pass.
+
+    Args:
+        path: a run directory (its ``tokens.parquet``) or any Parquet file with the columns
+            ``seq_id, position, rollout_logprob, train_logprob`` (``support_flip``, ``token_id``
+            and ``setting`` used when present); a sequence's rows must be contiguous.
+        config: what to compute (default ``MetricsConfig()``).
+        setting: keep only rows of this ``setting``; required when the store holds several.
+
+    Raises:
+        ProbeError: unreadable or unsuitable file, unknown setting, no valid token.
+    """
+    config = config or MetricsConfig()
+    path = resolve_tokens_path(Path(path))
+    names = open_parquet(path).schema_arrow.names
+    if setting is not None and "setting" not in names:
+        raise ProbeError(f"{path} has no setting column; drop the setting filter")
+    optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
+    engine = Engine(config, has_flip="support_flip" in names)
+    seen: set[str] = set()
+    for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional]):
+        table = _select_setting(table, setting, seen)
+        if table.num_rows:
+            engine.update(batch_from_table(table))
+    _check_settings(path, setting, seen)
+    return engine.result(str(path))

@@ -1,0 +1,138 @@
+"""Importance-sampling (IS) weights and their metrics (spec section 1, verl's ``rollout_is_*``).
+
+``is_weights`` turns a batch into raw and truncated weights; ``ISAccumulator`` streams the metrics
+over batches. Weights are ``train / rollout`` probability ratios: ``raw_w = exp(clampB(r))`` per
+token, or ``exp(clampB(s_i))`` with ``s_i = msum_i(r)`` broadcast over sequence i, where
+``r = train_logprob - rollout_logprob``. TIS truncates at U; IcePop zeroes weights outside [L, U].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from mismatch_probe.metrics.accum import (
+    Counts,
+    Moments,
+    clamped_std,
+    eff_sample_size,
+    exp_capped,
+    mmean,
+)
+from mismatch_probe.metrics.batch import (
+    EPS,
+    SAFETY_BOUND,
+    TokenBatch,
+    clamp_b,
+    per_batch,
+    seg_mean,
+)
+from mismatch_probe.metrics.config import ISSpec
+
+# level -> the [N] log-weight of every row (before masking).
+LOG_WEIGHTS: dict[str, Callable[[TokenBatch], np.ndarray]] = {
+    "token": lambda b: clamp_b(b.r),
+    "sequence": lambda b: clamp_b(b.s)[b.seg],
+}
+
+
+def truncate(raw: np.ndarray, spec: ISSpec) -> np.ndarray:
+    """TIS: ``min(raw, U)``; IcePop: ``raw`` inside ``[L, U]``, else 0. Shape-preserving."""
+    if spec.lower is None:
+        return np.minimum(raw, spec.upper)
+    keep = (raw >= spec.lower) & (raw <= spec.upper)
+    return np.where(keep, raw, 0.0)
+
+
+@per_batch
+def is_weights(b: TokenBatch, spec: ISSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Raw and truncated IS weights of a batch.
+
+    Returns:
+        ``(raw_w, w)``, both ``[N]`` float64, 0 at padding rows.
+    """
+    raw = np.exp(LOG_WEIGHTS[spec.level](b)) * b.m
+    return raw, truncate(raw, spec)
+
+
+class ISAccumulator:
+    """Streams every ``rollout_is_*`` metric of one ``ISSpec`` (metrics before batch norm)."""
+
+    def __init__(self, spec: ISSpec, batch_normalize: bool) -> None:
+        self.spec = spec
+        self.batch_normalize = batch_normalize
+        self.sum_w = self.sum_c = self.sum_c2 = 0.0
+        self.w_max, self.w_min = -math.inf, math.inf
+        self.n_high = self.n_low = 0  # valid tokens with raw_w > U / < L
+        self.s_max, self.s_min = -math.inf, math.inf  # s_i over all sequences
+        self.n_s_high = self.n_s_low = 0  # sequences with s_i > log U / < log L
+        self.q = Moments()  # q_i = mmean_i(w) over all sequences
+        self.q_dev = 0.0  # max |q_i - 1|
+        self.n_q_high = self.n_q_low = 0  # sequences with q'_i = mmean_i(raw_w) > U / < L
+        self.q_valid_sum = 0.0  # sum of q_i over valid sequences (batch norm, sequence level)
+
+    def update(self, b: TokenBatch) -> None:
+        spec, m = self.spec, b.m
+        raw, w = is_weights(b, spec)
+        c = np.clip(w, 0.0, spec.upper)
+        self.sum_w += float(w.sum())
+        self.sum_c += float(c.sum())
+        self.sum_c2 += float((c * c).sum())
+        if m.any():
+            self.w_max = max(self.w_max, float(w[m].max()))
+            self.w_min = min(self.w_min, float(w[m].min()))
+        self.n_high += int((m & (raw > spec.upper)).sum())
+        self.n_low += int((m & (raw < spec.low)).sum())
+        s = b.s
+        self.s_max, self.s_min = max(self.s_max, s.max()), min(self.s_min, s.min())
+        self.n_s_high += int((s > math.log(spec.upper)).sum())
+        self.n_s_low += int((s < math.log(spec.low)).sum())
+        q, q_raw = seg_mean(b, w), seg_mean(b, raw)
+        self.q.add(q)
+        self.q_dev = max(self.q_dev, float(np.abs(q - 1.0).max()))
+        self.n_q_high += int((q_raw > spec.upper).sum())
+        self.n_q_low += int((q_raw < spec.low).sum())
+        self.q_valid_sum += float(q[b.n > 0].sum())
+
+    def _level_metrics(self, counts: Counts) -> dict[str, float]:
+        """max/min/fraction_high/low: over tokens (token level) or sequences (sequence level)."""
+        if self.spec.level == "token":
+            return {
+                "rollout_is_max": self.w_max,
+                "rollout_is_min": self.w_min,
+                "rollout_is_ratio_fraction_high": mmean(self.n_high, counts.tokens),
+                "rollout_is_ratio_fraction_low": mmean(self.n_low, counts.tokens),
+            }
+        return {
+            "rollout_is_max": math.exp(min(self.s_max, SAFETY_BOUND)),
+            "rollout_is_min": exp_capped(self.s_min),
+            "rollout_is_ratio_fraction_high": self.n_s_high / counts.seqs,
+            "rollout_is_ratio_fraction_low": self.n_s_low / counts.seqs,
+        }
+
+    def _batch_norm_factor(self, counts: Counts) -> float:
+        if self.spec.level == "token":
+            mean = mmean(self.sum_w, counts.tokens)
+        else:
+            mean = self.q_valid_sum / max(counts.valid_seqs, EPS)
+        return mean if mean > EPS else 1.0
+
+    def scalars(self, counts: Counts) -> dict[str, float]:
+        n = counts.tokens
+        out = {"rollout_is_mean": mmean(self.sum_w, n), **self._level_metrics(counts)}
+        out["rollout_is_std"] = clamped_std(self.sum_c, self.sum_c2, n)
+        out["rollout_is_eff_sample_size"] = eff_sample_size(self.sum_c, self.sum_c2, n)
+        out["rollout_is_seq_mean"] = self.q.get("mean")
+        out["rollout_is_seq_std"] = self.q.std()
+        out["rollout_is_seq_max"] = self.q.get("max")
+        out["rollout_is_seq_min"] = self.q.get("min")
+        out["rollout_is_seq_max_deviation"] = self.q_dev
+        out["rollout_is_seq_fraction_high"] = self.n_q_high / counts.seqs
+        out["rollout_is_seq_fraction_low"] = self.n_q_low / counts.seqs
+        if self.spec.icepop:
+            out["rollout_is_oob_ratio"] = mmean(self.n_high + self.n_low, n)
+        if self.batch_normalize:
+            out["rollout_is_batch_norm_factor"] = self._batch_norm_factor(counts)
+        return out
