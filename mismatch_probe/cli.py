@@ -203,16 +203,15 @@ def report(
 
     No model is needed; metrics are recomputed when the options differ from metrics.json's.
     """
-    from mismatch_probe.report import load_run, write_outputs
-    from mismatch_probe.report.terminal import render_run
+    from mismatch_probe.report import load_report, render, write_outputs
 
     cfg = _metrics_config(
         rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold, batch_normalize, preset
     )
-    ctx = load_run(run_dir, cfg)
-    paths = write_outputs(ctx)
+    ctx, entries = load_report(run_dir, cfg)
+    paths = write_outputs(ctx, entries)
     console = _stdout_console()
-    render_run(ctx, console)
+    render(ctx, entries, console)
     _print_paths(console, paths)
 
 
@@ -396,6 +395,7 @@ def scan(
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure."""
     from mismatch_probe.config import ScanConfig
+    from mismatch_probe.report.terminal import render_run
     from mismatch_probe.rollout import parse_engine_args
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.scan import run_scan
@@ -424,7 +424,10 @@ def scan(
         batch_tokens=batch_tokens,
         flip_eps=flip_eps,
     )
-    render_summary(run_scan(cfg, Console(stderr=True)), _stdout_console())
+    result = run_scan(cfg, Console(stderr=True))
+    console = _stdout_console()
+    render_run(result.report, console)
+    render_summary(result, console)
 
 
 @models_app.command("prepare")

@@ -83,6 +83,7 @@ class ScanResult:
     run: dict[str, Any]
     settings: dict[str, dict[str, float]]  # setting name -> flat metrics, least mismatch first
     skipped: dict[str, str]  # rollout setting name -> reason
+    report: Any = None  # report.RunContext of the reference setting
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -140,8 +141,15 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     run["timings"] = dict(timer.seconds)
     paths["run"] = out / store.RUN_FILE
     store.write_json(paths["run"], run)
+    with timer("reports"):
+        from mismatch_probe.report import load_report, write_outputs
+
+        report, entries = load_report(out)
+        paths.update(write_outputs(report, entries))
+    run["timings"] = dict(timer.seconds)
+    store.write_json(paths["run"], run)
     skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
-    return ScanResult(out, paths, run, metrics, skipped)
+    return ScanResult(out, paths, run, metrics, skipped, report)
 
 
 def rescoring_spec(cfg: ScanConfig) -> SamplingSpec:

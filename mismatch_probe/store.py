@@ -115,14 +115,19 @@ def _sequence_aligned_chunks(table: pa.Table, target: int) -> Iterator[tuple[int
         start = stop
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON atomically (temporary name, then rename)."""
+def write_text(path: Path, text: str) -> None:
+    """Write a text file atomically (temporary name, then rename)."""
     tmp = _tmp_path(path)
     try:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON atomically (temporary name, then rename)."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.ParquetFile:

@@ -33,6 +33,7 @@ PHASES = (
     "rescoring",
     "writing",
     "metrics",
+    "reports",
 )
 
 
@@ -57,7 +58,10 @@ def render_summary(result: ScanResult, console: Console) -> None:
         )
     console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
-        console.print(f"  {name:<10} {path}", highlight=False, soft_wrap=True)
+        if not name.startswith("plot_"):
+            console.print(f"  {name:<10} {path}", highlight=False, soft_wrap=True)
+    if any(name.startswith("plot_") for name in result.paths):
+        console.print(f"  {'plots':<10} {result.out_dir / 'plots'}/", highlight=False)
 
 
 def settings_table(ranked: list[tuple[str, dict[str, Any]]]) -> Table:
