@@ -450,7 +450,7 @@ def models_tiny(
             help="Architecture: llama (dense); qwen3_moe or mixtral (MoE: 8 experts, top-2).",
         ),
     ] = "llama",
-    seed: SeedOpt = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
 ) -> None:
     """Build a tiny random-weight checkpoint (for tests and trying the tool)."""
     from mismatch_probe.tiny import build_tiny_model
