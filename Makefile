@@ -1,5 +1,6 @@
 # mismatch_probe: two commands set everything up on a fresh machine.
 #   make demo   create .venv, install, prepare the default model, run `probe scan`
+#               (then a precision comparison: bf16/fp16/fp32 rollouts x KV cache auto/fp8)
 #   make test   the same install (idempotent), then the whole test suite
 #   make bench  benchmarks (numbers written under reports/bench/)
 #   make lint   ruff and mypy
@@ -27,7 +28,10 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/probe models prepare
-	$(BIN)/probe scan
+	$(BIN)/probe scan --out reports/demo
+	# A precision comparison of the same model: bf16 / fp16 / fp32 rollouts, KV cache auto / fp8.
+	$(BIN)/probe scan --out reports/demo-precision --num-prompts 16 --max-tokens 64 \
+	    --rollout-dtype bfloat16,float16,float32 --kv-cache-dtype auto,fp8
 
 test: install
 	$(BIN)/python -m pytest -q

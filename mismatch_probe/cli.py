@@ -324,6 +324,14 @@ LmHeadFp32Opt = Annotated[
         help="Run vLLM's LM head in float32 (hf_overrides head_dtype): off, on, or off,on.",
     ),
 ]
+RoutingReplayOpt = Annotated[
+    str,
+    typer.Option(
+        "--routing-replay",
+        help="MoE models: none (the trainer routes itself), rollout (R3: force the engine's "
+        "routes in the training forward), or none,rollout to see what R3 removes.",
+    ),
+]
 SameTokensOpt = Annotated[
     bool,
     typer.Option(
@@ -385,6 +393,7 @@ def scan(
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
     quantization: QuantizationOpt = "none",
     lm_head_fp32: LmHeadFp32Opt = "off",
+    routing_replay: RoutingReplayOpt = "none",
     same_tokens: SameTokensOpt = False,
     strict: StrictOpt = False,
     chat: ChatOpt = None,
@@ -416,6 +425,7 @@ def scan(
         kv_cache_dtypes=split_list(kv_cache_dtype),
         quantizations=split_list(quantization),
         lm_head_fp32=parse_on_off(lm_head_fp32, "--lm-head-fp32"),
+        routing_replay=split_list(routing_replay),
         same_tokens=same_tokens,
         strict=strict,
         chat=chat,

@@ -14,6 +14,7 @@ from mismatch_probe.settings import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    REPLAY_MODES,
     RolloutSetting,
     Setting,
     rollout_settings,
@@ -48,6 +49,7 @@ class ScanConfig:
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     quantizations: tuple[str, ...] = ("none",)
     lm_head_fp32: tuple[bool, ...] = (False,)
+    routing_replay: tuple[str, ...] = ("none",)  # MoE: none (own routes), rollout (R3)
     same_tokens: bool = False  # later rollout settings score the first one's tokens
     strict: bool = False  # a setting the backend cannot run is an error, not a skip
     chat: bool | None = None  # None: on when the tokenizer has a chat template
@@ -63,6 +65,7 @@ class ScanConfig:
         _check_all(self.kv_cache_dtypes, KV_CACHE_DTYPES, "--kv-cache-dtype")
         _check_all(self.quantizations, QUANTIZATIONS, "--quantization")
         _check_all(self.lm_head_fp32, (False, True), "--lm-head-fp32")
+        _check_all(self.routing_replay, REPLAY_MODES, "--routing-replay")
         checks = [
             (s.max_tokens >= 1, f"--max-tokens must be >= 1, got {s.max_tokens}"),
             (self.samples_per_prompt >= 1, "--samples-per-prompt must be >= 1"),
@@ -84,7 +87,7 @@ class ScanConfig:
         )
 
     def settings(self) -> list[Setting]:
-        return settings(self.rollout_settings(), self.train_dtypes)
+        return settings(self.rollout_settings(), self.train_dtypes, self.routing_replay)
 
     def flip_eps_for(self, setting: Setting) -> float:
         """The support-flip margin: the coarser of the two sides' dtypes, unless given."""

@@ -159,7 +159,8 @@ def _right_padded(
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
-    rows, cols = [], []
+    rows: list[int] = []
+    cols: list[int] = []
     for b, r in enumerate(batch):
         seq = [*r.prompt_ids, *r.response_ids]
         ids[b, : len(seq)] = torch.tensor(seq)

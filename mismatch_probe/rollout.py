@@ -46,6 +46,7 @@ class Rollout:
     rollout_logprobs: list[float]  # engine's log-prob of each response token
     finish_reason: str
     response_text: str
+    routed_experts: Any = None  # vLLM's native MoE routes, where the engine returns them
 
 
 def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
@@ -195,6 +196,7 @@ def _to_rollout(seq_id: int, prompt: EncodedPrompt, sample_id: int, out: Any) ->
         rollout_logprobs=logprobs,
         finish_reason=str(out.finish_reason or "unknown"),
         response_text=out.text,
+        routed_experts=getattr(out, "routed_experts", None),
     )
 
 

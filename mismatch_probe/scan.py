@@ -14,11 +14,13 @@ only by numerics.
 
 from __future__ import annotations
 
+import itertools
 import platform
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.progress import make_progress, vllm_progress
 from mismatch_probe.prompts import EncodedPrompt, default_prompts_path, encode_prompts, load_prompts
+from mismatch_probe.routing import stage
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import RolloutSetting, Setting
 from mismatch_probe.tables import sequence_table, token_table
@@ -59,6 +62,7 @@ class Prepared:
     prompts: list[EncodedPrompt]
     max_model_len: int
     tokenizer: Any = field(repr=False)
+    routing: Any = None  # routing.stage.Routing for a mixture-of-experts model, else None
 
 
 @dataclass
@@ -69,11 +73,23 @@ class RolloutRun:
     rollouts: list[rollout.Rollout] = field(default_factory=list)
     generation_seconds: float = 0.0
     skipped: str | None = None
+    routes: list[Any] | None = None  # MoE: the engine's routes of each rollout
 
     @property
     def tokens_per_s(self) -> float:
         tokens = sum(len(r.response_ids) for r in self.rollouts)
         return tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+
+@dataclass
+class Rescored:
+    """One setting's sequences: rollouts, their rescoring, and (MoE) both sides' routes."""
+
+    rollouts: list[rollout.Rollout]
+    scored: list[rescore.Scored]
+    rollout_routes: list[Any] | None = None  # per sequence [T, L, K] expert ids (engine)
+    train_routes: list[Any] | None = None  # same shapes, training router's own choices
+    seq_offset: int = 0  # added to each rollout's seq_id in the store (unique across settings)
 
 
 @dataclass
@@ -97,7 +113,9 @@ def prepare(cfg: ScanConfig) -> Prepared:
 
     model_dir = models.resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    context = _context_length(AutoConfig.from_pretrained(model_dir), tokenizer)
+    config = AutoConfig.from_pretrained(model_dir)
+    routing = stage.prepare(config, cfg.routing_replay)
+    context = _context_length(config, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if cfg.chat and not has_template:
         raise ProbeError(f"--chat: the tokenizer of {model_dir} has no chat template")
@@ -107,7 +125,8 @@ def prepare(cfg: ScanConfig) -> Prepared:
     encoded = encode_prompts(raw, tokenizer, chat, context, cfg.sampling.max_tokens)
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
     longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1
-    return Prepared(model_dir, prompts_path, chat, encoded, min(context, longest), tokenizer)
+    max_len = min(context, longest)
+    return Prepared(model_dir, prompts_path, chat, encoded, max_len, tokenizer, routing)
 
 
 def _context_length(config: Any, tokenizer: Any) -> int:
@@ -122,7 +141,8 @@ def _context_length(config: Any, tokenizer: Any) -> int:
 
 def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     """Run the whole pipeline and write ``tokens.parquet``, ``sequences.parquet``,
-    ``metrics.json``, ``settings.json`` and ``run.json`` into the output directory."""
+    ``metrics.json``, ``settings.json``, ``run.json`` and the reports into the output
+    directory (plus ``routing.parquet`` and ``routing.json`` for a mixture-of-experts model)."""
     timer = Timer()
     with timer("prepare"):
         prep = prepare(cfg)
@@ -136,8 +156,12 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         out.mkdir(parents=True, exist_ok=True)
         run = run_metadata(cfg, prep, runs, timer.seconds)
         paths = write_store(out, scored, prep.tokenizer, run)
+        if prep.routing is not None:
+            paths.update(stage.write_routing(out, scored, prep.routing, run))
     with timer("metrics"):
         metrics = _metrics(paths, scored, runs)
+        if prep.routing is not None:
+            paths.update(stage.routing_outputs(out, list(scored)))
     run["timings"] = dict(timer.seconds)
     paths["run"] = out / store.RUN_FILE
     store.write_json(paths["run"], run)
@@ -157,12 +181,33 @@ def rescoring_spec(cfg: ScanConfig) -> SamplingSpec:
     return replace(cfg.sampling, logprobs_mode="raw") if cfg.same_tokens else cfg.sampling
 
 
-def _engine(cfg: ScanConfig, prep: Prepared, setting: RolloutSetting) -> Any:
-    rollout.check_supported(setting)
-    kwargs = rollout.engine_kwargs(
-        prep.model_dir, setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
-    )
-    return rollout.engine(kwargs)
+@contextmanager
+def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> Iterator[Any]:
+    """The setting's engine (set up for route capture for an MoE model), or ``None`` when the
+    backend cannot run the setting (recorded as a skip; an error with ``--strict``)."""
+    stack = ExitStack()
+    llm = None
+    try:
+        with timer("engine_start"):
+            rollout.check_supported(run.setting)
+            kwargs = rollout.engine_kwargs(
+                prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
+            )
+            if prep.routing is not None:
+                stack.enter_context(stage.engine_env(prep.routing))
+            llm = stack.enter_context(
+                rollout.engine({**kwargs, **stage.engine_kwargs(prep.routing)})
+            )
+    except rollout.EngineStartError as exc:
+        stack.close()
+        if cfg.strict:
+            raise ProbeError(f"{run.setting.name}: {exc}") from None
+        run.skipped = str(exc)
+    try:
+        yield llm
+    finally:
+        with timer("engine_stop"):
+            stack.close()
 
 
 def _generate(
@@ -170,19 +215,12 @@ def _generate(
 ) -> RolloutRun:
     """Start this setting's engine and sample; a setting the backend can't run is skipped."""
     run = RolloutRun(setting)
-    if cfg.same_tokens and not _is_first(cfg, setting):
+    if cfg.same_tokens and setting != cfg.rollout_settings()[0]:
         return run  # scored on the reference tokens by _share_tokens
     total = len(prep.prompts) * cfg.samples_per_prompt
-    try:
-        with timer("engine_start"):
-            cm = _engine(cfg, prep, setting)
-            llm = cm.__enter__()
-    except rollout.EngineStartError as exc:
-        if cfg.strict:
-            raise ProbeError(f"{setting.name}: {exc}") from None
-        run.skipped = str(exc)
-        return run
-    try:
+    with _started(cfg, prep, run, timer) as llm:
+        if llm is None:
+            return run
         start = time.perf_counter()
         bar = vllm_progress(progress, f"gen {setting.name}", total)
         run.rollouts = rollout.generate(
@@ -190,14 +228,10 @@ def _generate(
         )
         run.generation_seconds = time.perf_counter() - start
         timer.seconds["generation"] = timer.seconds.get("generation", 0.0) + run.generation_seconds
-    finally:
-        with timer("engine_stop"):
-            cm.__exit__(None, None, None)
+        if prep.routing is not None and not cfg.same_tokens:
+            with timer("route_capture"):
+                run.routes = stage.capture(llm, run.rollouts, prep.routing)
     return run
-
-
-def _is_first(cfg: ScanConfig, setting: RolloutSetting) -> bool:
-    return setting == cfg.rollout_settings()[0]
 
 
 def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer: Timer) -> None:
@@ -206,23 +240,16 @@ def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer
     if not reference:
         raise ProbeError(f"--same-tokens: the first setting did not run ({runs[0].skipped})")
     for run in runs:
-        try:
-            with timer("engine_start"):
-                cm = _engine(cfg, prep, run.setting)
-                llm = cm.__enter__()
-        except rollout.EngineStartError as exc:
-            if cfg.strict:
-                raise ProbeError(f"{run.setting.name}: {exc}") from None
-            run.skipped = str(exc)
-            continue
-        try:
+        with _started(cfg, prep, run, timer) as llm:
+            if llm is None:
+                continue
             with timer("forced_scoring"):
                 start = time.perf_counter()
                 scores = rollout.score_forced(llm, reference)
                 run.generation_seconds = time.perf_counter() - start
-        finally:
-            with timer("engine_stop"):
-                cm.__exit__(None, None, None)
+            if prep.routing is not None:
+                with timer("route_capture"):
+                    run.routes = stage.capture(llm, reference, prep.routing)
         run.rollouts = [
             replace(r, rollout_logprobs=lp) for r, lp in zip(reference, scores, strict=True)
         ]
@@ -230,60 +257,70 @@ def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer
 
 def _rescore_all(
     cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer: Timer, progress: Any
-) -> dict[Setting, tuple[list[rollout.Rollout], list[rescore.Scored]]]:
-    """One training model per dtype rescores every rollout setting that ran."""
+) -> dict[Setting, Rescored]:
+    """One training model per dtype rescores every rollout setting that ran, once per routing
+    replay mode."""
     done = [r for r in runs if r.rollouts]
     if not done:
         reasons = "; ".join(f"{r.setting.name}: {r.skipped}" for r in runs)
         raise ProbeError(f"no setting could run ({reasons})")
-    scored: dict[Setting, tuple[list[rollout.Rollout], list[rescore.Scored]]] = {}
-    spec = rescoring_spec(cfg)
+    scored: dict[Setting, Rescored] = {}
     for train_dtype in cfg.train_dtypes:
         with timer("model_load"):
             model = rescore.load_model(prep.model_dir, train_dtype)
-        for run in done:
-            setting = Setting(run.setting, train_dtype)
-            total = sum(len(r.response_ids) for r in run.rollouts)
-            task = progress.add_task(f"score {setting.name}", total=total, unit="tokens")
-            requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in run.rollouts]
+        for run, mode in itertools.product(done, cfg.routing_replay):
+            setting = Setting(run.setting, train_dtype, mode)
             with timer("rescoring"):
-                result = rescore.rescore(
-                    model,
-                    requests,
-                    spec,
-                    cfg.flip_eps_for(setting),
-                    cfg.batch_tokens,
-                    on_batch=lambda n, task=task: progress.update(task, advance=n),
-                )
-            scored[setting] = (run.rollouts, result)
+                scored[setting] = _rescore_one(cfg, prep, model, run, setting, progress)
         del model
     order = {s: i for i, s in enumerate(cfg.settings())}
-    return dict(sorted(scored.items(), key=lambda item: order[item[0]]))
+    ordered = dict(sorted(scored.items(), key=lambda item: order[item[0]]))
+    offset = 0
+    for rescored in ordered.values():  # each setting gets its own seq_id range
+        rescored.seq_offset, offset = offset, offset + len(rescored.rollouts)
+    return ordered
+
+
+def _rescore_one(
+    cfg: ScanConfig, prep: Prepared, model: Any, run: RolloutRun, setting: Setting, progress: Any
+) -> Rescored:
+    requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in run.rollouts]
+    total = sum(len(r.response_ids) for r in run.rollouts)
+    task = progress.add_task(f"score {setting.name}", total=total, unit="tokens")
+    routing = stage.train_routing(model, requests, prep.routing, setting.replay, run.routes)
+    result = rescore.rescore(
+        model,
+        requests,
+        rescoring_spec(cfg),
+        cfg.flip_eps_for(setting),
+        cfg.batch_tokens,
+        on_batch=partial(_advance, progress, task),
+        batch_context=routing.batch if routing else None,
+    )
+    return Rescored(run.rollouts, result, run.routes, routing.recorded if routing else None)
+
+
+def _advance(progress: Any, task: Any, n: int) -> None:
+    progress.update(task, advance=n)
 
 
 def write_store(
-    out: Path,
-    scored: dict[Setting, tuple[list[rollout.Rollout], list[rescore.Scored]]],
-    tokenizer: Any,
-    run: dict[str, Any],
+    out: Path, scored: dict[Setting, Rescored], tokenizer: Any, run: dict[str, Any]
 ) -> dict[str, Path]:
     """Write ``tokens.parquet`` and ``sequences.parquet`` (atomically), every setting in one
     file, each setting's sequences contiguous with their own seq_id range."""
     paths = {"tokens": out / store.TOKENS_FILE, "sequences": out / store.SEQUENCES_FILE}
     tokens, sequences = [], []
-    for k, (setting, (rollouts, result)) in enumerate(scored.items()):
-        offset = k * len(rollouts)
-        tokens.append(token_table(setting.name, rollouts, result, tokenizer, offset))
-        sequences.append(sequence_table(setting.name, rollouts, tokenizer, offset))
+    for setting, r in scored.items():
+        tokens.append(token_table(setting.name, r.rollouts, r.scored, tokenizer, r.seq_offset))
+        sequences.append(sequence_table(setting.name, r.rollouts, tokenizer, r.seq_offset))
     store.write_table(paths["tokens"], pa.concat_tables(tokens), store.TOKEN_SCHEMA, run)
     store.write_table(paths["sequences"], pa.concat_tables(sequences), store.SEQUENCE_SCHEMA, run)
     return paths
 
 
 def _metrics(
-    paths: dict[str, Path],
-    scored: dict[Setting, Any],
-    runs: list[RolloutRun],
+    paths: dict[str, Path], scored: dict[Setting, Rescored], runs: list[RolloutRun]
 ) -> dict[str, dict[str, float]]:
     """Metrics per setting: ``metrics.json`` (reference setting, full curves) and
     ``settings.json`` (every setting, least mismatch first, with its generation throughput)."""
@@ -299,7 +336,7 @@ def _metrics(
     ranked = dict(sorted(flat.items(), key=lambda item: item[1]["k3_kl"]))
     paths["settings"] = paths["tokens"].with_name("settings.json")
     store.write_json(paths["settings"], {"order": list(ranked), "settings": ranked})
-    return {name: flat[name] for name in flat}
+    return flat
 
 
 def run_metadata(

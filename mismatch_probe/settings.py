@@ -20,6 +20,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("none", "fp8")
+REPLAY_MODES = ("none", "rollout")
 ON_OFF = {"off": False, "on": True}
 
 
@@ -69,10 +70,12 @@ class Setting:
 
     rollout: RolloutSetting
     train_dtype: str = "float32"
+    replay: str = "none"  # MoE routing replay in the training forward ("rollout": R3)
 
     @property
     def name(self) -> str:
-        return f"{self.rollout.name} | train={DTYPE_SHORT[self.train_dtype]}"
+        replay = f",replay={self.replay}" if self.replay != "none" else ""
+        return f"{self.rollout.name} | train={DTYPE_SHORT[self.train_dtype]}{replay}"
 
 
 def split_list(text: str) -> tuple[str, ...]:
@@ -100,5 +103,9 @@ def rollout_settings(
     return [RolloutSetting(*combo) for combo in product]
 
 
-def settings(rollouts: Sequence[RolloutSetting], train_dtypes: Sequence[str]) -> list[Setting]:
-    return [Setting(r, t) for r in rollouts for t in train_dtypes]
+def settings(
+    rollouts: Sequence[RolloutSetting],
+    train_dtypes: Sequence[str],
+    replays: Sequence[str] = ("none",),
+) -> list[Setting]:
+    return [Setting(r, t, m) for r in rollouts for t in train_dtypes for m in replays]

@@ -32,6 +32,7 @@ PHASES = (
     "model_load",
     "rescoring",
     "writing",
+    "route_capture",
     "metrics",
     "reports",
 )
@@ -56,6 +57,10 @@ def render_summary(result: ScanResult, console: Console) -> None:
             f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
             highlight=False,
         )
+    from mismatch_probe.routing.report import load, summary_lines
+
+    for line in summary_lines(load(result.out_dir)):
+        console.print(line, highlight=False)
     console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
         if not name.startswith("plot_"):

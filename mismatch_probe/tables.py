@@ -33,7 +33,7 @@ def token_table(
             "seq_id": per_seq([r.seq_id + seq_offset for r in rollouts], np.int64),
             "prompt_id": per_seq([r.prompt_id for r in rollouts], np.int64),
             "sample_id": per_seq([r.sample_id for r in rollouts], np.int32),
-            "position": np.concatenate([np.arange(n, dtype=np.int32) for n in lengths] or [[]]),
+            "position": _positions(lengths),
             "token_id": token_ids,
             "token_text": pa.array(texts, pa.string()),
             "rollout_logprob": np.array(
@@ -43,6 +43,12 @@ def token_table(
             "support_flip": _concat([s.support_flip for s in scored], np.bool_),
         }
     )
+
+
+def _positions(lengths: np.ndarray) -> np.ndarray:
+    """``[0..n0-1, 0..n1-1, ...]`` as int32."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return (np.arange(int(lengths.sum())) - starts).astype(np.int32)
 
 
 def _concat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:

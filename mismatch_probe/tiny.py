@@ -77,6 +77,7 @@ _MOE_SHAPE: dict[str, Any] = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
+    "head_dim": 32,
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
     "initializer_range": 0.08,
@@ -97,7 +98,6 @@ def _qwen3_moe(vocab: int, eos: int) -> Any:
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        head_dim=32,
         eos_token_id=eos,
         architectures=["Qwen3MoeForCausalLM"],
     )
@@ -111,7 +111,6 @@ def _mixtral(vocab: int, eos: int) -> Any:
         vocab_size=vocab,
         intermediate_size=64,
         num_local_experts=8,
-        head_dim=32,
         eos_token_id=eos,
         architectures=["MixtralForCausalLM"],
     )

@@ -127,8 +127,8 @@ def test_compare_replay_by_hand() -> None:
     assert c.k3_removed["none"] == pytest.approx(0.0)
     assert c.k3_removed["rollout"] == pytest.approx(1 - (1 - LN2) / 0.5)
     assert [s.mean_abs_log_ratio for s in c.by_differing_layers["rollout"]] == [0.0, 0.0, LN2]
-    with pytest.raises(ProbeError):
-        compare_replay({"rollout": R}, count, layers=2)
+    alone = compare_replay({"rollout": R}, count, layers=2)  # no baseline to remove from
+    assert alone.k3_removed == {"rollout": None}
 
 
 # --- store -------------------------------------------------------------------------------------
@@ -198,6 +198,7 @@ def test_analyze_run_joins_tokens_and_routes(tmp_path: Path) -> None:
         [
             _tokens_table("a", [0, 0, 1], [-1.0, -1.0, -1.0], [-1.0, -1.0 + LN2, -1.0 - LN2]),
             _tokens_table("b", [2, 2, 3], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0 + LN2]),
+            _tokens_table("c", [4, 4], [-1.0, -1.0], [-1.0, -1.0]),  # other tokens
         ]
     )
     store.write_table(tmp_path / "tokens.parquet", tokens, store.TOKEN_SCHEMA, {})
@@ -206,8 +207,10 @@ def test_analyze_run_joins_tokens_and_routes(tmp_path: Path) -> None:
     assert metrics.layer_disagreement == expected.layer_disagreement
     assert metrics.differ.k3_kl == pytest.approx(0.25, abs=1e-6)
     assert replay.modes["rollout"].k3_kl == pytest.approx((1 - LN2) / 3, abs=1e-6)
-    with pytest.raises(ProbeError):
-        analyze_run(tmp_path, tmp_path, {"rollout": "b"})
+    _, only_r3 = analyze_run(tmp_path, tmp_path, {"rollout": "b"})  # its routes are the baseline
+    assert only_r3.modes["rollout"] == replay.modes["rollout"]
+    with pytest.raises(ProbeError, match="did not rescore"):
+        analyze_run(tmp_path, tmp_path, {"none": "a", "short": "c"})
 
 
 # --- engine-side layouts -----------------------------------------------------------------------

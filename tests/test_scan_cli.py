@@ -98,6 +98,10 @@ CASES = {
         lambda tmp, model: ["--model", str(model), "--vllm-arg", "novalue"],
         "--vllm-arg expects key=value",
     ),
+    "routing replay on a dense model": (
+        lambda tmp, model: ["--model", str(model), "--routing-replay", "rollout"],
+        "needs a mixture-of-experts model",
+    ),
     "bad top-p": (
         lambda tmp, model: ["--model", str(model), "--top-p", "1.5"],
         "--top-p must be in (0, 1]",

@@ -67,9 +67,13 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     paths = {"metrics": ctx.run_dir / METRICS_FILE, "report": ctx.run_dir / REPORT_FILE}
     store.write_json(paths["metrics"], ctx.json_dict())
     plots = write_plots(ctx, ctx.run_dir / PLOTS_DIR)
+    from mismatch_probe.routing.report import routing_markdown
+
     text = render_markdown(ctx, plots)
     if entries:
         text += "\n" + settings_markdown(entries, ctx.run_dir)
+    routing = routing_markdown(ctx.run_dir)
+    text += "\n" + routing if routing else ""
     store.write_text(paths["report"], text)
     return {**paths, **{f"plot_{name}": path for name, (path, _) in plots.items()}}
 

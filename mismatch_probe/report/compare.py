@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -48,7 +48,7 @@ IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("log-probs mode", ("sampling", "logprobs_mode")),
 )
 # name -> (title, drawer) of the overlaid figures; the file is compare_<name>.png.
-OVERLAYS = {
+OVERLAYS: dict[str, tuple[str, Any]] = {
     "ratio_hist": ("Token IS ratio ρ = p_train / p_rollout, per run", draw_ratio_hist),
     "position": ("Mean |log ρ| by response position, per run", draw_position),
     "f_tau": ("F(τ): share of tokens whose ratio exceeds τ either way", draw_f_tau),
@@ -183,7 +183,7 @@ def comparison_table(entries: list[Entry], rows: list[CompareRow]) -> Table:
 
 def render_comparison(comparison: Comparison, console: Console) -> None:
     """The warnings (if any) and the comparison table."""
-    parts = [Text(f"⚠ {w}", style="yellow") for w in comparison.warnings]
+    parts: list[RenderableType] = [Text(f"⚠ {w}", style="yellow") for w in comparison.warnings]
     parts.append(comparison_table(list(comparison.entries), comparison.rows))
     console.print(Group(*parts))
 

@@ -158,8 +158,8 @@ def normalize_native(routed: Any, columns: int, shape: RoutingShape) -> np.ndarr
 
     Accepted layouts: ``[rows, layers, K]`` or flattened ``[rows, layers * K]``, where
     ``layers`` counts all decoder layers (dense ones hold no route) or only the MoE layers, and
-    ``rows`` is ``T`` (vLLM 0.14-0.32: every fed token) or ``T + 1`` (a row for the final
-    token, dropped).
+    ``rows`` is ``T`` (vLLM 0.32: every token fed to the model, with the default
+    ``routed_experts_prompt_start=0``) or ``T + 1`` (a row for the final token, dropped).
     """
     k = shape.top_k
     array = np.asarray(routed)

@@ -7,7 +7,9 @@ Inputs are arrays over response tokens: the engine's and the training router's e
 
 ``compare_replay`` lines up several rescorings of the same tokens (``none``: the training
 router routes; ``rollout``: R3, the engine's routes forced) and reports what replay removes,
-also by the number of layers whose routing differed without replay.
+also by the number of layers whose routing differs. The *baseline* mode is ``none`` when it was
+run, else the first mode: its training routes define the disagreement (under R3 they are the
+router's own choices before they were overridden).
 
 This module knows nothing about vLLM or transformers; ``analyze_run`` reads a run's files.
 """
@@ -116,8 +118,8 @@ class ReplayComparison:
     """The same tokens rescored under each routing-replay mode (``none``, ``rollout``)."""
 
     modes: dict[str, MismatchStats]
-    k3_removed: dict[str, float | None]  # 1 - k3(mode) / k3(none)
-    by_differing_layers: dict[str, tuple[MismatchStats, ...]]  # d from the ``none`` routes
+    k3_removed: dict[str, float | None]  # 1 - k3(mode) / k3(none); None without ``none``
+    by_differing_layers: dict[str, tuple[MismatchStats, ...]]  # d from the baseline routes
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,14 +131,12 @@ def compare_replay(
     """Compare replay modes on the same tokens.
 
     Args:
-        log_ratios: mode -> ``[N]`` log-ratios of the same tokens; must contain ``none``.
-        differing_layers: ``[N]`` number of layers whose routing differs without replay.
+        log_ratios: mode -> ``[N]`` log-ratios of the same tokens.
+        differing_layers: ``[N]`` number of layers whose routing differs (baseline routes).
         layers: number of MoE layers.
     """
-    if "none" not in log_ratios:
-        raise ProbeError("a replay comparison needs the 'none' mode as its baseline")
     modes = {m: mismatch_stats(r) for m, r in log_ratios.items()}
-    base = modes["none"].k3_kl
+    base = modes["none"].k3_kl if "none" in modes else None
     removed = {
         m: (1.0 - s.k3_kl / base) if base and s.k3_kl is not None else None
         for m, s in modes.items()
@@ -156,21 +156,25 @@ def analyze_run(
         settings: replay mode -> the ``setting`` name its rows carry in both files, e.g.
             ``{"none": "rollout=bf16 | train=fp32", "rollout": "... | replay=rollout"}``; every
             mode rescored the same sequences in the same order.
+
+    Returns:
+        ``(metrics, comparison)``; the metrics' split uses the baseline mode's log-ratios.
     """
-    if "none" not in settings:
-        raise ProbeError("analyze_run needs the 'none' replay mode (the routing disagreement)")
-    routes = _response_rows(read_routing(routing_path, settings["none"]))
+    if not settings:
+        raise ProbeError("analyze_run needs at least one replay mode")
+    baseline = "none" if "none" in settings else next(iter(settings))
+    routes = _response_rows(read_routing(routing_path, settings[baseline]))
     path = store.resolve_tokens_path(tokens_path)
     tokens = {mode: _read_tokens(path, name) for mode, name in settings.items()}
-    base = tokens["none"]
+    base = tokens[baseline]
     for mode, t in tokens.items():
         if not np.array_equal(t["token_id"], base["token_id"]):
-            raise ProbeError(f"replay mode {mode!r} did not rescore the same tokens as 'none'")
+            raise ProbeError(f"replay mode {mode!r} did not rescore the tokens of {baseline!r}")
     order = _align(base["seq_id"], base["position"], routes)
     rollout, train = routes.rollout[order], routes.train[order]
     ratios = {m: t["train_logprob"] - t["rollout_logprob"] for m, t in tokens.items()}
     moe_layers = tuple(routes.meta.get("moe_layers", range(rollout.shape[1])))
-    metrics = routing_metrics(rollout, train, ratios["none"], moe_layers)
+    metrics = routing_metrics(rollout, train, ratios[baseline], moe_layers)
     count = differing(rollout, train).sum(axis=1)
     return metrics, compare_replay(ratios, count, rollout.shape[1])
 

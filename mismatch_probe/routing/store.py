@@ -90,7 +90,9 @@ def routing_table(
 
 def _nested(routes: Sequence[np.ndarray]) -> pa.Array:
     """``S`` arrays ``[T, L, K]`` -> one ``list<list<int16>[K]>[L]`` array of ``sum(T)`` rows."""
-    flat = np.concatenate([r.astype(np.int16).reshape(-1) for r in routes] or [np.zeros(0)])
+    flat = np.concatenate(
+        [r.astype(np.int16).reshape(-1) for r in routes] or [np.zeros(0, np.int16)]
+    )
     layers, k = routes[0].shape[1:] if routes else (0, 0)
     inner = pa.FixedSizeListArray.from_arrays(pa.array(flat.astype(np.int16)), k)
     return pa.FixedSizeListArray.from_arrays(inner, layers)

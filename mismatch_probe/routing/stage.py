@@ -1,0 +1,129 @@
+"""The routing stage of ``probe scan``: what the scan calls for a mixture-of-experts model.
+
+For a dense model ``prepare`` returns ``None`` and every other function is a no-op the scan
+does not call. For an MoE model: the engine is started so that routes can be captured
+(``engine_kwargs``, ``engine_env``), each engine's routes are captured after sampling
+(``capture``), the training forward records (or, with ``--routing-replay rollout``, forces) its
+routes while rescoring (``train_routing``), and the routes are stored (``routing.parquet``),
+measured and plotted (``routing.json``, ``plots/routing_*.png``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from mismatch_probe import store
+from mismatch_probe.routing import capture_engine, replay
+from mismatch_probe.routing.shape import RoutingShape
+
+if TYPE_CHECKING:
+    from mismatch_probe.routing.capture_train import TrainRouting
+    from mismatch_probe.settings import Setting
+
+ROUTING_JSON = "routing.json"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """An MoE model's routing shape and how its engine captures routes."""
+
+    shape: RoutingShape
+    setup: capture_engine.EngineSetup
+
+
+def prepare(config: Any, modes: Sequence[str]) -> Routing | None:
+    """``None`` for a dense model (a dense model asked to replay routes is a ProbeError)."""
+    shape = replay.check_replay(config, modes)
+    return None if shape is None else Routing(shape, capture_engine.engine_setup())
+
+
+def engine_kwargs(routing: Routing | None) -> dict[str, Any]:
+    """Engine arguments the capture needs (they win over ``--vllm-arg``)."""
+    return dict(routing.setup.kwargs) if routing else {}
+
+
+def engine_env(routing: Routing) -> AbstractContextManager[None]:
+    return capture_engine.engine_env(routing.setup)
+
+
+def capture(llm: Any, rollouts: Sequence[Any], routing: Routing) -> list[Any]:
+    """The engine's ``[P + R - 1, L, K]`` routes of each rollout."""
+    return capture_engine.capture_routes(llm, rollouts, routing.shape, routing.setup.capture_path)
+
+
+def train_routing(
+    model: Any,
+    requests: Sequence[Any],
+    routing: Routing | None,
+    mode: str,
+    rollout_routes: Sequence[Any] | None,
+) -> TrainRouting | None:
+    """Hooks that record the training routes (and force the rollout's under R3)."""
+    if routing is None:
+        return None
+    from mismatch_probe.routing.capture_train import TrainRouting
+
+    forced = replay.forced_routes(mode, rollout_routes or [])
+    return TrainRouting(model, requests, routing.shape, forced=forced)
+
+
+def write_routing(
+    out: Path, scored: dict[Setting, Any], routing: Routing, run: dict[str, Any]
+) -> dict[str, Path]:
+    """``routing.parquet``: both sides' routes of every setting, keyed like the token store;
+    records the routing shape and capture path in ``run`` (``run["routing"]``)."""
+    from mismatch_probe.routing import store as routing_store
+
+    tables = [
+        routing_store.routing_table(
+            setting.name,
+            [r.seq_id + rescored.seq_offset for r in rescored.rollouts],
+            [len(r.prompt_ids) for r in rescored.rollouts],
+            rescored.rollout_routes,
+            rescored.train_routes,
+        )
+        for setting, rescored in scored.items()
+    ]
+    path = out / routing_store.ROUTING_FILE
+    capture_path = routing.setup.capture_path
+    routing_store.write_routing(path, pa.concat_tables(tables), routing.shape, capture_path, run)
+    run["routing"] = routing_store.routing_metadata(routing.shape, capture_path)
+    return {"routing": path}
+
+
+def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:
+    """``routing.json`` (per rollout/training pair: disagreement, mismatch split, what each
+    replay mode removes) and the two routing plots of the first pair."""
+    from mismatch_probe.routing import plots
+    from mismatch_probe.routing.metrics import analyze_run
+    from mismatch_probe.routing.store import ROUTING_FILE
+    from mismatch_probe.settings import Setting
+
+    groups: dict[str, dict[str, str]] = {}
+    for s in settings:
+        groups.setdefault(Setting(s.rollout, s.train_dtype).name, {})[s.replay] = s.name
+    results, paths = {}, {}
+    for i, (label, modes) in enumerate(groups.items()):
+        metrics, comparison = analyze_run(out / store.TOKENS_FILE, out / ROUTING_FILE, modes)
+        results[label] = {
+            "settings": modes,
+            "metrics": metrics.to_json_dict(),
+            "replay": comparison.to_json_dict(),
+        }
+        if i == 0:
+            (out / "plots").mkdir(exist_ok=True)
+            paths["plot_routing_disagreement"] = plots.plot_disagreement_by_layer(
+                metrics, out / "plots" / plots.DISAGREEMENT_PNG
+            )
+            paths["plot_routing_by_layers"] = plots.plot_logratio_by_differing_layers(
+                metrics, out / "plots" / plots.BY_LAYERS_PNG, comparison
+            )
+    paths["routing_metrics"] = out / ROUTING_JSON
+    store.write_json(paths["routing_metrics"], results)
+    return paths

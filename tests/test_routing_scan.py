@@ -1,0 +1,60 @@
+"""``probe scan`` on a tiny MoE model: routes stored, measured, replayed (R3), reported."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from rich.console import Console
+
+from mismatch_probe.config import ScanConfig
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.scan import run_scan
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mismatch_probe.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe")
+    prompts = tmp_path_factory.mktemp("p") / "p.jsonl"
+    texts = ["What is the capital of France?", "Solve 3x + 5 = 20.", "def add(a, b):", "Hi"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path_factory.mktemp("run")
+    cfg = ScanConfig(
+        model=model,
+        prompts=prompts,
+        out=out,
+        samples_per_prompt=4,
+        sampling=SamplingSpec(max_tokens=40),
+        routing_replay=("none", "rollout"),
+        vllm_args={"kv_cache_memory_bytes": 64 << 20},
+    )
+    run_scan(cfg, Console(file=io.StringIO()))
+    return out
+
+
+def test_routing_is_stored_keyed_like_the_tokens(moe_run: Path) -> None:
+    routes = pq.read_table(moe_run / "routing.parquet")
+    tokens = pq.read_table(moe_run / "tokens.parquet")
+    run = json.loads((moe_run / "run.json").read_text())
+    assert run["routing"]["capture_path"] == "prefill_replay"
+    assert run["routing"]["top_k"] == 2
+    response_rows = int((routes.column("position").to_numpy() >= 0).sum())
+    assert response_rows == tokens.num_rows  # one route row per response token, every setting
+
+
+def test_r3_removes_mismatch_and_the_report_shows_it(moe_run: Path) -> None:
+    data = json.loads((moe_run / "routing.json").read_text())
+    (entry,) = data.values()
+    assert max(entry["metrics"]["layer_disagreement"]) > 0  # bf16 flips near-tie routers
+    modes = entry["replay"]["modes"]
+    assert modes["rollout"]["k3_kl"] < modes["none"]["k3_kl"]
+    report = (moe_run / "report.md").read_text()
+    assert "## MoE routing" in report and "replay=rollout" in report
+    assert (moe_run / "plots" / "routing_disagreement.png").is_file()
