@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,10 @@ class ScanConfig:
         if self.flip_eps is not None:
             return self.flip_eps
         return max(FLIP_EPS[setting.rollout.dtype], FLIP_EPS[setting.train_dtype])
+
+    def rescoring_spec(self) -> SamplingSpec:
+        """Forced continuations (``same_tokens``) give raw prefill log-probs: rescore raw."""
+        return replace(self.sampling, logprobs_mode="raw") if self.same_tokens else self.sampling
 
     def out_dir(self, model_name: str) -> Path:
         if self.out is not None:

