@@ -8,6 +8,7 @@ library functions, so ``probe --help`` answers at once.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -105,6 +106,7 @@ def _stdout_console() -> Console:
 
 def main() -> None:
     """Console-script entry point: run the app, turning ``ProbeError`` into exit code 2."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local paths; never a hub
     try:
         code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
     except ProbeError as exc:

@@ -16,6 +16,7 @@ import pytest
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothing downloads
 
 TINY_CONTEXT = 512
 
