@@ -110,7 +110,7 @@ def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.
 def _check_settings(path: Path, setting: str | None, seen: set[str]) -> None:
     if setting is None and len(seen) > 1:
         names = ", ".join(sorted(seen))
-        raise ProbeError(f"{path} holds {len(seen)} settings ({names}); choose one")
+        raise ProbeError(f"{path} holds {len(seen)} settings ({names}); choose one with --setting")
     if setting is not None and setting not in seen:
         names = ", ".join(sorted(seen)) or "none"
         raise ProbeError(f"{path}: no rows with setting {setting!r} (settings: {names})")
