@@ -243,7 +243,7 @@ def scan(
     chat: ChatOpt = None,
     out: OutOpt = None,
     vllm_arg: VllmArgOpt = None,
-    batch_tokens: BatchTokensOpt = 8192,
+    batch_tokens: BatchTokensOpt = 2048,
     flip_eps: FlipEpsOpt = None,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure."""

@@ -55,7 +55,7 @@ class ScanConfig:
     chat: bool | None = None  # None: on when the tokenizer has a chat template
     out: Path | None = None
     vllm_args: dict[str, Any] = field(default_factory=dict)
-    batch_tokens: int = 8192
+    batch_tokens: int = 2048
     flip_eps: float | None = None  # None: FLIP_EPS[rollout dtype]
 
     def __post_init__(self) -> None:

@@ -79,7 +79,7 @@ def rescore(
     requests: Sequence[ScoreRequest],
     spec: SamplingSpec,
     flip_eps: float,
-    batch_tokens: int = 8192,
+    batch_tokens: int = 2048,
     on_batch: Callable[[int], None] | None = None,
     batch_context: Callable[[list[int]], AbstractContextManager[Any]] | None = None,
 ) -> list[Scored]:
@@ -123,12 +123,11 @@ def _score_batch(
     device = next(model.parameters()).device
     ids, mask, rows, cols, first = _right_padded(batch, device)
     with torch.inference_mode():
-        keep = torch.arange(first, ids.shape[1] - 1, device=device)  # columns that predict
-        logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+        logits = _predicting_logits(model, ids, mask, rows, cols, first)  # [N, V]
         targets = ids[rows, cols + 1]
         chunks = [
             token_logprobs(
-                logits[rows[i : i + ROW_CHUNK], cols[i : i + ROW_CHUNK] - first],
+                logits[i : i + ROW_CHUNK],
                 targets[i : i + ROW_CHUNK],
                 spec,
                 flip_eps,
@@ -142,6 +141,35 @@ def _score_batch(
         Scored(lp.numpy().astype("float32"), fl.numpy())
         for lp, fl in zip(logprobs.cpu().split(sizes), flips.cpu().split(sizes), strict=True)
     ]
+
+
+# Config fields of heads that do more than a linear map (they go through the model's own forward).
+_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+def _predicting_logits(
+    model: Any, ids: Any, mask: Any, rows: Any, cols: Any, first: int
+) -> torch.Tensor:
+    """``[N, V]`` logits of the columns that predict response tokens, and only those.
+
+    For a plain linear LM head, the decoder's hidden states are gathered at those columns
+    before the head, so no logits are computed for prompt or padding positions. Other heads
+    (soft-capping, scaling) run the model's own forward with ``logits_to_keep``.
+    """
+    import torch
+
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    plain = hasattr(model, "get_decoder") and not any(
+        getattr(config, name, None) not in (None, 1.0) for name in _HEAD_EXTRAS
+    )
+    if plain:
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        return model.get_output_embeddings()(hidden[rows, cols])
+    keep = torch.arange(first, ids.shape[1] - 1, device=ids.device)
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+    return logits[rows, cols - first]
 
 
 def _right_padded(

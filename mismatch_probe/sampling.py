@@ -116,31 +116,34 @@ def _top_k(logits: torch.Tensor, k: int, eps: float) -> tuple[torch.Tensor, torc
     return logits.masked_fill(logits < kth[:, None], float("-inf")), flip
 
 
+TOP_P_WINDOWS = (1024, 8192)  # topk sizes tried before a full sort of the vocabulary
+
+
 def _top_p(
-    logits: torch.Tensor, p: float, eps: float, window: int = 1024
+    logits: torch.Tensor, p: float, eps: float, windows: tuple[int, ...] = TOP_P_WINDOWS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's top-p without sorting the whole vocabulary.
 
     vLLM sorts ascending and drops a token when the ascending cumulative probability up to it is
     ``<= 1 - p``; equivalently (exact arithmetic) it keeps the descending prefix whose
     *exclusive* cumulative probability (mass strictly above the token) is ``< p``. That prefix
-    almost always lies in the top ``window`` tokens, found with ``topk``; rows where it does not
-    (flat distributions) fall back to the full sort. A row is flagged when some exclusive
-    cumulative probability is within ``eps`` of ``p`` (the boundary could flip).
+    almost always lies in the top ``windows[0]`` tokens, found with ``topk``; rows where it
+    does not (flat distributions) try the next window, then the full sort. A row is flagged when
+    some exclusive cumulative probability is within ``eps`` of ``p`` (the boundary could flip).
     """
-
-    window = min(window, logits.shape[1])
+    if not windows or windows[0] >= logits.shape[1]:
+        return _top_p_sorted(logits, p, eps)
     probs = logits.softmax(dim=-1)
-    top_probs, top_idx = probs.topk(window, dim=-1)  # [N, W], descending
+    top_probs, top_idx = probs.topk(windows[0], dim=-1)  # [N, W], descending
     exclusive = top_probs.cumsum(dim=-1) - top_probs
     kept = exclusive < p
     flip = ((exclusive - p).abs() < eps).any(dim=-1)
     last = kept.sum(dim=-1, keepdim=True) - 1  # index of the last kept token, >= 0
     threshold = logits.gather(1, top_idx.gather(1, last))  # [N, 1]
     masked = logits.masked_fill(logits < threshold, float("-inf"))
-    open_rows = kept[:, -1].nonzero()[:, 0] if window < logits.shape[1] else None
-    if open_rows is not None and len(open_rows):
-        masked[open_rows], flip[open_rows] = _top_p_sorted(logits[open_rows], p, eps)
+    open_rows = kept[:, -1].nonzero()[:, 0]  # the nucleus reaches past the window
+    if len(open_rows):
+        masked[open_rows], flip[open_rows] = _top_p(logits[open_rows], p, eps, windows[1:])
     return masked, flip
 
 
