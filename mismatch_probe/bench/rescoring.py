@@ -11,6 +11,7 @@ batching; the bare batched forward is one padded forward with ``log_softmax`` an
 from __future__ import annotations
 
 import time
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -81,8 +82,8 @@ def bench_rescoring() -> dict[str, Any]:
     results["torch_threads"] = torch.get_num_threads()
     results["bare_batched_forward"] = _timed(lambda: _bare_batched(model, requests), tokens)
     for name, spec in SPECS.items():
-        ours = _timed(lambda spec=spec: rescore.rescore(model, requests, spec, 1e-4), tokens)
-        naive = _timed(lambda spec=spec: _naive(model, requests, spec), tokens)
+        ours = _timed(partial(rescore.rescore, model, requests, spec, 1e-4), tokens)
+        naive = _timed(partial(_naive, model, requests, spec), tokens)
         ratio = ours["tokens_per_s"] / naive["tokens_per_s"]
         results[name] = {"ours": ours, "naive_loop": naive, "ours_vs_naive": ratio}
     return results
