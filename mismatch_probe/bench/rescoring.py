@@ -11,8 +11,8 @@ batching; the bare batched forward is one padded forward with ``log_softmax`` an
 from __future__ import annotations
 
 import time
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
