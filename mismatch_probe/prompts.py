@@ -49,8 +49,12 @@ def load_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
     """
     if not path.is_file():
         raise ProbeError(f"prompts file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProbeError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         prompts.append(_parse_line(line, lineno, len(prompts), path))
@@ -112,7 +116,11 @@ def encode_prompts(
 def _render(p: Prompt, tokenizer: Any, chat: bool) -> str:
     messages = list(p.messages) if p.messages else [{"role": "user", "content": p.text or ""}]
     if chat:
-        return str(
-            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        )
+        try:
+            rendered = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # the template's own raise_exception(), jinja errors
+            raise ProbeError(f"prompt {p.prompt_id}: the chat template failed ({exc})") from None
+        return str(rendered)
     return p.text if p.text is not None else "\n".join(m["content"] for m in messages)

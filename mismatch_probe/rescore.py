@@ -51,8 +51,12 @@ def load_model(path: Path, dtype: str) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    # On a GPU machine the training side runs on the GPU, where a trainer would run it.
+    device_map = "cuda" if torch.cuda.is_available() else None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), device_map=device_map
+        )
     except (OSError, ValueError) as exc:
         reason = " ".join(str(exc).split())
         raise ProbeError(f"transformers could not load {path}: {reason}") from None

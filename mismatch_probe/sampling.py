@@ -137,7 +137,7 @@ def _top_p(
     top_probs, top_idx = probs.topk(windows[0], dim=-1)  # [N, W], descending
     exclusive = top_probs.cumsum(dim=-1) - top_probs
     kept = exclusive < p
-    flip = ((exclusive - p).abs() < eps).any(dim=-1)
+    flip = (((exclusive - p).abs() < eps) & (top_probs > 0)).any(dim=-1)
     last = kept.sum(dim=-1, keepdim=True) - 1  # index of the last kept token, >= 0
     threshold = logits.gather(1, top_idx.gather(1, last))  # [N, 1]
     masked = logits.masked_fill(logits < threshold, float("-inf"))
@@ -155,6 +155,7 @@ def _top_p_sorted(logits: torch.Tensor, p: float, eps: float) -> tuple[torch.Ten
     cumsum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumsum <= 1 - p
     drop[:, -1] = False
-    flip = ((cumsum - (1 - p)).abs() < eps).any(dim=-1)
+    probs_sorted = torch.diff(cumsum, dim=-1, prepend=torch.zeros_like(cumsum[:, :1]))
+    flip = (((cumsum - (1 - p)).abs() < eps) & (probs_sorted > 0)).any(dim=-1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits), flip

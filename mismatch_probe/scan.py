@@ -111,8 +111,12 @@ def prepare(cfg: ScanConfig) -> Prepared:
     from transformers import AutoConfig, AutoTokenizer
 
     model_dir = models.resolve_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise ProbeError(f"transformers could not load {model_dir}: {reason}") from None
     routing = stage.prepare(config, cfg.routing_replay)
     context = _context_length(config, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -157,6 +161,8 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
             paths.update(stage.write_routing(out, scored, prep.routing, run))
+        else:
+            stage.remove_outputs(out)  # an earlier MoE run's routing files in the same --out
     with timer("metrics"):
         metrics = _metrics(paths, scored, runs)
         if prep.routing is not None:
@@ -236,6 +242,7 @@ def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer
     for run in runs:
         with _started(cfg, prep, run, timer) as llm:
             if llm is None:
+                run.rollouts = []  # the reference's own sampled log-probs are not comparable
                 continue
             with timer("forced_scoring"):
                 start = time.perf_counter()

@@ -108,3 +108,11 @@ def test_top_p_window_cascade_equals_full_sort() -> None:
     ours, _ = _top_p(logits, 0.9, 0.0, windows=(16, 256))
     reference = vllm_reference(logits, SamplingSpec(top_p=0.9))
     assert torch.equal(torch.isinf(ours), torch.isinf(reference))
+
+
+def test_tokens_removed_by_top_k_never_count_as_top_p_flips() -> None:
+    """top_p close to 1 with top-k: zero-probability tokens sit at exclusive mass ~1 = p."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    spec = SamplingSpec(top_k=3, top_p=0.995)
+    _, flip = token_logprobs(logits, torch.tensor([0]), spec, flip_eps=8e-3)
+    assert not flip.item()

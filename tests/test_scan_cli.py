@@ -46,6 +46,19 @@ def not_a_causal_lm(tmp_path: Path) -> Path:
     return path
 
 
+def latin1_prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    return path
+
+
+def without_tokenizer(tmp_path: Path, model: Path) -> Path:
+    path = tmp_path / "no_tokenizer"
+    path.mkdir()
+    (path / "config.json").write_text((model / "config.json").read_text())
+    return path
+
+
 CASES = {
     "missing model": (
         lambda tmp, model: ["--model", str(tmp / "nope")],
@@ -101,6 +114,14 @@ CASES = {
     "routing replay on a dense model": (
         lambda tmp, model: ["--model", str(model), "--routing-replay", "rollout"],
         "needs a mixture-of-experts model",
+    ),
+    "prompts not UTF-8": (
+        lambda tmp, model: ["--model", str(model), "--prompts", str(latin1_prompts(tmp))],
+        "is not UTF-8 text",
+    ),
+    "model without tokenizer": (
+        lambda tmp, model: ["--model", str(without_tokenizer(tmp, model))],
+        "transformers could not load",
     ),
     "bad top-p": (
         lambda tmp, model: ["--model", str(model), "--top-p", "1.5"],

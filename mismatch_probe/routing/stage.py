@@ -127,3 +127,17 @@ def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:
     paths["routing_metrics"] = out / ROUTING_JSON
     store.write_json(paths["routing_metrics"], results)
     return paths
+
+
+def remove_outputs(out: Path) -> None:
+    """Delete routing files a previous run left in ``out`` (they would describe another run)."""
+    from mismatch_probe.routing import plots
+    from mismatch_probe.routing.store import ROUTING_FILE
+
+    for path in (
+        out / ROUTING_FILE,
+        out / ROUTING_JSON,
+        out / "plots" / plots.DISAGREEMENT_PNG,
+        out / "plots" / plots.BY_LAYERS_PNG,
+    ):
+        path.unlink(missing_ok=True)
