@@ -12,8 +12,8 @@ the logits of the columns that predict response tokens are computed (``logits_to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,16 +203,3 @@ def _right_padded(
     first = min(len(r.prompt_ids) - 1 for r in batch)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return ids.to(device), mask.to(device), as_tensor(rows), as_tensor(cols), first
-
-
-@contextmanager
-def loaded(path: Path, dtype: str) -> Iterator[Any]:
-    """A loaded model, released on exit."""
-    import gc
-
-    model = load_model(path, dtype)
-    try:
-        yield model
-    finally:
-        del model
-        gc.collect()
