@@ -37,7 +37,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python -m mismatch_probe.bench
+	$(BIN)/python -m tests.bench
 
 lint: install
 	$(BIN)/ruff check mismatch_probe tests

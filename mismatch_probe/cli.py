@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
-    BatchNormalizeOpt,
     BatchTokensOpt,
     ChatOpt,
     CompareOutOpt,
@@ -33,14 +34,9 @@ from mismatch_probe.options import (
     ModelOpt,
     NumPromptsOpt,
     OutOpt,
-    PresetOpt,
     PromptsOpt,
     QuantizationOpt,
     RolloutDtypeOpt,
-    RolloutIsOpt,
-    RolloutIsThresholdOpt,
-    RolloutRsOpt,
-    RolloutRsThresholdOpt,
     RoutingReplayOpt,
     RunDirArg,
     SameTokensOpt,
@@ -53,12 +49,13 @@ from mismatch_probe.options import (
     TopPOpt,
     TrainDtypeOpt,
     VllmArgOpt,
+    metric_options,
 )
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.settings import ON_OFF
 
-if TYPE_CHECKING:
-    from mismatch_probe.metrics import MetricsConfig
-
-DEFAULT_MAX_TOKENS = 96
+SCAN = ScanConfig()  # the defaults of every scan option
+ON_OFF_NAME = {value: name for name, value in ON_OFF.items()}
 
 app = typer.Typer(
     help="Measure the training-inference mismatch of a language model.",
@@ -73,26 +70,20 @@ app.add_typer(models_app, name="models")
 
 
 @app.command("metrics")
+@metric_options
 def metrics_command(
     path: Annotated[Path, typer.Argument(help="Run directory or token-store Parquet file.")],
-    rollout_is: RolloutIsOpt = "token",
-    rollout_is_threshold: RolloutIsThresholdOpt = "2.0",
-    rollout_rs: RolloutRsOpt = None,
-    rollout_rs_threshold: RolloutRsThresholdOpt = None,
-    batch_normalize: BatchNormalizeOpt = False,
-    preset: PresetOpt = None,
+    metrics_config: MetricsConfig,
     setting: SettingOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Compute verl's rollout-correction metrics and our diagnostics for a token store."""
     import json
 
-    from mismatch_probe.metrics import compute_metrics, render_metrics
+    from mismatch_probe.metrics import compute_metrics
+    from mismatch_probe.report.metrics_table import render_metrics
 
-    cfg = _metrics_config(
-        rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold, batch_normalize, preset
-    )
-    result = compute_metrics(path, cfg, setting=setting)
+    result = compute_metrics(path, metrics_config, setting=setting)
     if json_output:
         print(json.dumps(result.flat(), allow_nan=False))
     else:
@@ -129,52 +120,21 @@ def main() -> None:
 # --- reports ----------------------------------------------------------------------------------
 
 
-def _metrics_config(
-    rollout_is: str,
-    rollout_is_threshold: str,
-    rollout_rs: str | None,
-    rollout_rs_threshold: str | None,
-    batch_normalize: bool,
-    preset: list[str] | None,
-) -> MetricsConfig:
-    """The ``MetricsConfig`` of the shared metric options."""
-    from mismatch_probe.metrics import PRESETS, MetricsConfig
-
-    return MetricsConfig(
-        rollout_is=rollout_is,
-        rollout_is_threshold=rollout_is_threshold,
-        rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-        batch_normalize=batch_normalize,
-        presets=tuple(preset) if preset is not None else tuple(PRESETS),
-    )
-
-
 def _print_paths(console: Console, paths: dict[str, Path]) -> None:
     for name, path in paths.items():
         console.print(f"  {name:<16} {path}", highlight=False, soft_wrap=True)
 
 
 @app.command()
-def report(
-    run_dir: RunDirArg,
-    rollout_is: RolloutIsOpt = "token",
-    rollout_is_threshold: RolloutIsThresholdOpt = "2.0",
-    rollout_rs: RolloutRsOpt = None,
-    rollout_rs_threshold: RolloutRsThresholdOpt = None,
-    batch_normalize: BatchNormalizeOpt = False,
-    preset: PresetOpt = None,
-) -> None:
+@metric_options
+def report(run_dir: RunDirArg, metrics_config: MetricsConfig) -> None:
     """Re-render a run's terminal report, plots, report.md and metrics.json from its files.
 
     No model is needed; metrics are recomputed when the options differ from metrics.json's.
     """
     from mismatch_probe.report import load_report, render, write_outputs
 
-    cfg = _metrics_config(
-        rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold, batch_normalize, preset
-    )
-    ctx, entries = load_report(run_dir, cfg)
+    ctx, entries = load_report(run_dir, metrics_config)
     paths = write_outputs(ctx, entries)
     console = _stdout_console()
     render(ctx, entries, console)
@@ -222,41 +182,41 @@ def check(run_dir: RunDirArg, max_bound: MaxBoundOpt = None, min_bound: MinBound
 
 @app.command()
 def scan(
-    model: ModelOpt = None,
-    prompts: PromptsOpt = None,
-    num_prompts: NumPromptsOpt = None,
-    samples_per_prompt: SamplesOpt = 1,
-    max_tokens: MaxTokensOpt = DEFAULT_MAX_TOKENS,
-    temperature: TemperatureOpt = 1.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = -1,
-    seed: SeedOpt = 0,
-    logprobs_mode: LogprobsModeOpt = "processed",
-    rollout_dtype: RolloutDtypeOpt = "bfloat16",
-    train_dtype: TrainDtypeOpt = "float32",
-    kv_cache_dtype: KvCacheDtypeOpt = "auto",
-    quantization: QuantizationOpt = "none",
-    lm_head_fp32: LmHeadFp32Opt = "off",
-    routing_replay: RoutingReplayOpt = "none",
-    same_tokens: SameTokensOpt = False,
-    strict: StrictOpt = False,
-    chat: ChatOpt = None,
-    out: OutOpt = None,
+    model: ModelOpt = SCAN.model,
+    prompts: PromptsOpt = SCAN.prompts,
+    num_prompts: NumPromptsOpt = SCAN.num_prompts,
+    samples_per_prompt: SamplesOpt = SCAN.samples_per_prompt,
+    max_tokens: MaxTokensOpt = SCAN.sampling.max_tokens,
+    temperature: TemperatureOpt = SCAN.sampling.temperature,
+    top_p: TopPOpt = SCAN.sampling.top_p,
+    top_k: TopKOpt = SCAN.sampling.top_k,
+    seed: SeedOpt = SCAN.sampling.seed,
+    logprobs_mode: LogprobsModeOpt = SCAN.sampling.logprobs_mode,
+    rollout_dtype: RolloutDtypeOpt = ",".join(SCAN.rollout_dtypes),
+    train_dtype: TrainDtypeOpt = ",".join(SCAN.train_dtypes),
+    kv_cache_dtype: KvCacheDtypeOpt = ",".join(SCAN.kv_cache_dtypes),
+    quantization: QuantizationOpt = ",".join(SCAN.quantizations),
+    lm_head_fp32: LmHeadFp32Opt = ",".join(ON_OFF_NAME[v] for v in SCAN.lm_head_fp32),
+    routing_replay: RoutingReplayOpt = ",".join(SCAN.routing_replay),
+    same_tokens: SameTokensOpt = SCAN.same_tokens,
+    strict: StrictOpt = SCAN.strict,
+    chat: ChatOpt = SCAN.chat,
+    out: OutOpt = SCAN.out,
     vllm_arg: VllmArgOpt = None,
-    batch_tokens: BatchTokensOpt = 2048,
-    flip_eps: FlipEpsOpt = None,
+    batch_tokens: BatchTokensOpt = SCAN.batch_tokens,
+    flip_eps: FlipEpsOpt = SCAN.flip_eps,
 ) -> None:
-    """Generate rollouts with vLLM, rescore the same tokens with transformers, measure."""
-    from mismatch_probe.config import ScanConfig
+    """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
+
+    Defaults and validation come from ``ScanConfig`` and ``SamplingSpec``: the library and the
+    command line cannot disagree.
+    """
+    from mismatch_probe.report.summary import render_summary
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.rollout import parse_engine_args
-    from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.scan import run_scan
     from mismatch_probe.settings import parse_on_off, split_list
-    from mismatch_probe.summary import render_summary
 
-    if logprobs_mode not in ("processed", "raw"):
-        raise ProbeError(f"--logprobs-mode: processed or raw, got {logprobs_mode!r}")
     sampling = SamplingSpec(temperature, top_p, top_k, max_tokens, seed, logprobs_mode)  # type: ignore[arg-type]
     cfg = ScanConfig(
         model=model,

@@ -3,8 +3,12 @@ that take it, so that a name or its help text lives in one place."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -233,3 +237,47 @@ FlipEpsOpt = Annotated[
         "(default by rollout dtype: fp32 1e-4, fp16 1e-3, bf16 8e-3).",
     ),
 ]
+
+
+# --- the metric options block, shared by `probe metrics` and `probe report` ------------------
+
+# (parameter name, option type, default from MetricsConfig's field): `metric_options` adds these
+# to a command; the command receives them built and validated as one `metrics_config`.
+METRIC_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("rollout_is", RolloutIsOpt),
+    ("rollout_is_threshold", RolloutIsThresholdOpt),
+    ("rollout_rs", RolloutRsOpt),
+    ("rollout_rs_threshold", RolloutRsThresholdOpt),
+    ("batch_normalize", BatchNormalizeOpt),
+    ("preset", PresetOpt),
+)
+
+
+def metric_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Decorate a command that takes ``metrics_config: MetricsConfig``: its CLI signature gets
+    the ``METRIC_OPTIONS`` instead (defaults from ``MetricsConfig``), and the values given are
+    turned into that one config before the command runs."""
+    from mismatch_probe.metrics.config import MetricsConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(MetricsConfig) if f.init}
+    defaults["preset"] = None  # None: every preset (MetricsConfig's default)
+    added = [
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name], annotation=t
+        )
+        for name, t in METRIC_OPTIONS
+    ]
+    signature = inspect.signature(command, eval_str=True)  # typer reads these annotations
+    kept = [p for p in signature.parameters.values() if p.name != "metrics_config"]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> None:
+        values: dict[str, Any] = {name: kwargs.pop(name) for name, _ in METRIC_OPTIONS}
+        preset = values.pop("preset")
+        if preset is not None:
+            values["presets"] = tuple(preset)
+        command(**kwargs, metrics_config=MetricsConfig(**values))
+
+    wrapper.__annotations__ = {p.name: p.annotation for p in [*kept, *added]}
+    wrapper.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
+    return wrapper

@@ -32,6 +32,9 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
 }
 COMMON_ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True, "use_tqdm_on_load": False}
+# Environment of every engine (scoped to its life; a value the user set wins): vLLM's own log
+# quiet, and model paths are local, so the engine never asks a model hub.
+ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
 
 
 @dataclass
@@ -104,20 +107,58 @@ def check_supported(setting: RolloutSetting) -> None:
         )
 
 
-@contextmanager
-def engine(kwargs: dict[str, Any]) -> Iterator[Any]:
-    """A started ``vllm.LLM``, shut down (engine process and memory) on exit."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from vllm import LLM
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables an engine starts with: ours (quiet logs, never a model hub)
+    unless the user set them, then ``extra`` (e.g. what MoE route capture needs)."""
+    ours = {key: value for key, value in ENGINE_ENV.items() if key not in os.environ}
+    return {**ours, **(extra or {})}
 
+
+@contextmanager
+def scoped_env(env: dict[str, str]) -> Iterator[None]:
+    """Set ``env`` for the engine's creation and life; restore the process environment after.
+
+    vLLM reads its variables lazily but caches them (``vllm.envs``) once an in-process engine
+    has started: the cache is cleared on entry and on exit so that each engine of a process
+    sees the environment it was created in.
+    """
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    _clear_vllm_env_cache()
     try:
-        llm = LLM(**kwargs)
-    except Exception as exc:  # vLLM raises many types for an engine that cannot start
-        raise EngineStartError(f"vLLM could not start the engine: {_one_line(exc)}") from None
-    try:
-        yield llm
+        yield
     finally:
-        shutdown(llm)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _clear_vllm_env_cache()
+
+
+def _clear_vllm_env_cache() -> None:
+    import vllm.envs
+
+    reset = getattr(vllm.envs, "disable_envs_cache", None)
+    if reset is not None:
+        reset()
+
+
+@contextmanager
+def engine(kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[Any]:
+    """A started ``vllm.LLM`` (created with ``kwargs`` under the environment ``env``, default
+    ``engine_env()``), shut down (engine process and memory) on exit."""
+    with scoped_env(engine_env() if env is None else env):
+        from vllm import LLM
+
+        try:
+            llm = LLM(**kwargs)
+        except Exception as exc:  # vLLM raises many types for an engine that cannot start
+            raise EngineStartError(f"vLLM could not start the engine: {_one_line(exc)}") from None
+        try:
+            yield llm
+        finally:
+            shutdown(llm)
 
 
 def shutdown(llm: Any) -> None:

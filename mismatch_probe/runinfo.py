@@ -8,10 +8,10 @@ import platform
 from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import models, rollout, store
+from mismatch_probe.records import Prepared, RolloutRun
 
 if TYPE_CHECKING:
     from mismatch_probe.config import ScanConfig
-    from mismatch_probe.scan import Prepared, RolloutRun
 
 
 def run_metadata(
@@ -31,7 +31,7 @@ def run_metadata(
             "rescoring": "processed" if spec.processes_logits else "raw",
             "rollout_logprobs": _logprob_source(cfg),
         },
-        "rollouts": [_run_record(cfg, prep, r) for r in runs],
+        "rollouts": [_run_record(r) for r in runs],
         "model": {
             "path": str(prep.model_dir.resolve()),
             "name": prep.model_dir.name,
@@ -53,12 +53,13 @@ def _logprob_source(cfg: ScanConfig) -> str:
     return f"decode ({cfg.sampling.logprobs_mode} log-probs of the sampled tokens)"
 
 
-def _run_record(cfg: ScanConfig, prep: Prepared, run: RolloutRun) -> dict[str, Any]:
+def _run_record(run: RolloutRun) -> dict[str, Any]:
+    """A rollout setting's engine run: the arguments and environment its engine was created
+    with (recorded at the start; empty when the setting was refused before one started)."""
     return {
         "setting": run.setting.name,
-        "engine_args": rollout.engine_kwargs(
-            prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
-        ),
+        "engine_args": run.engine_args,
+        "engine_env": run.engine_env,
         "skipped": run.skipped,
         "generation_seconds": run.generation_seconds,
         "tokens_per_s": run.tokens_per_s,

@@ -34,7 +34,7 @@ class SamplingSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables top-k
-    max_tokens: int = 128
+    max_tokens: int = 96
     seed: int = 0
     logprobs_mode: LogprobsMode = "processed"
 

@@ -18,10 +18,10 @@ import itertools
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -29,11 +29,15 @@ from mismatch_probe import models, rescore, rollout, store
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.progress import make_progress, vllm_progress
-from mismatch_probe.prompts import EncodedPrompt, default_prompts_path, encode_prompts, load_prompts
+from mismatch_probe.prompts import default_prompts_path, encode_prompts, load_prompts
+from mismatch_probe.records import Prepared, Rescored, RolloutRun, ScanResult
 from mismatch_probe.routing import stage
 from mismatch_probe.runinfo import run_metadata
 from mismatch_probe.settings import RolloutSetting, Setting
 from mismatch_probe.tables import sequence_table, token_table
+
+if TYPE_CHECKING:
+    from mismatch_probe.metrics import MetricsResult
 
 
 class Timer:
@@ -49,61 +53,6 @@ class Timer:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-
-@dataclass
-class Prepared:
-    """Inputs checked and encoded before any engine starts."""
-
-    model_dir: Path
-    prompts_path: Path
-    chat: bool
-    prompts: list[EncodedPrompt]
-    max_model_len: int
-    tokenizer: Any = field(repr=False)
-    routing: Any = None  # routing.stage.Routing for a mixture-of-experts model, else None
-
-
-@dataclass
-class RolloutRun:
-    """One rollout setting's engine run (or why it was skipped)."""
-
-    setting: RolloutSetting
-    rollouts: list[rollout.Rollout] = field(default_factory=list)
-    generation_seconds: float = 0.0
-    skipped: str | None = None
-    routes: list[Any] | None = None  # MoE: the engine's routes of each rollout
-
-    @property
-    def tokens_per_s(self) -> float:
-        tokens = sum(len(r.response_ids) for r in self.rollouts)
-        return tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
-
-
-@dataclass
-class Rescored:
-    """One setting's sequences: rollouts, their rescoring, and (MoE) both sides' routes."""
-
-    rollouts: list[rollout.Rollout]
-    scored: list[rescore.Scored]
-    rollout_routes: list[Any] | None = None  # per sequence [T, L, K] expert ids (engine)
-    train_routes: list[Any] | None = None  # same shapes, training router's own choices
-    seq_offset: int = 0  # added to each rollout's seq_id in the store (unique across settings)
-
-
-@dataclass
-class ScanResult:
-    out_dir: Path
-    paths: dict[str, Path]
-    run: dict[str, Any]
-    settings: dict[str, dict[str, float]]  # setting name -> flat metrics, least mismatch first
-    skipped: dict[str, str]  # rollout setting name -> reason
-    report: Any = None  # report.RunContext of the reference setting
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """The first (reference) setting's metrics."""
-        return next(iter(self.settings.values()))
 
 
 def prepare(cfg: ScanConfig) -> Prepared:
@@ -123,7 +72,7 @@ def prepare(cfg: ScanConfig) -> Prepared:
     if cfg.chat and not has_template:
         raise ProbeError(f"--chat: the tokenizer of {model_dir} has no chat template")
     chat = has_template if cfg.chat is None else cfg.chat
-    prompts_path = cfg.prompts or default_prompts_path()
+    prompts_path = (cfg.prompts or default_prompts_path()).resolve()
     raw = load_prompts(prompts_path, cfg.num_prompts)
     encoded = encode_prompts(raw, tokenizer, chat, context, cfg.sampling.max_tokens)
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
@@ -143,9 +92,12 @@ def _context_length(config: Any, tokenizer: Any) -> int:
 
 
 def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
-    """Run the whole pipeline and write ``tokens.parquet``, ``sequences.parquet``,
-    ``metrics.json``, ``settings.json``, ``run.json`` and the reports into the output
-    directory (plus ``routing.parquet`` and ``routing.json`` for a mixture-of-experts model)."""
+    """Run the whole pipeline and write the token store (``store.TOKENS_FILE``,
+    ``SEQUENCES_FILE``), the metrics (``METRICS_FILE``, ``SETTINGS_FILE``), ``RUN_FILE`` and the
+    reports into the output directory (plus ``ROUTING_FILE`` and ``ROUTING_METRICS_FILE`` for a
+    mixture-of-experts model)."""
+    from mismatch_probe.report import load_report, write_outputs
+
     timer = Timer()
     with timer("prepare"):
         prep = prepare(cfg)
@@ -164,21 +116,19 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         else:
             stage.remove_outputs(out)  # an earlier MoE run's routing files in the same --out
     with timer("metrics"):
-        metrics = _metrics(paths, scored, runs)
+        results = _metrics(paths, scored)
+        flat = _settings_json(paths, results, runs)
         if prep.routing is not None:
             paths.update(stage.routing_outputs(out, list(scored)))
-    run["timings"] = dict(timer.seconds)
     paths["run"] = out / store.RUN_FILE
-    store.write_json(paths["run"], run)
     with timer("reports"):
-        from mismatch_probe.report import load_report, write_outputs
-
-        report, entries = load_report(out)
+        computed = {s.name: m.to_json_dict() for s, m in results.items()}
+        report, entries = load_report(out, computed=computed)
         paths.update(write_outputs(report, entries))
     run["timings"] = dict(timer.seconds)
     store.write_json(paths["run"], run)
     skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
-    return ScanResult(out, paths, run, metrics, skipped, report)
+    return ScanResult(out, paths, run, flat, skipped, report, entries)
 
 
 @contextmanager
@@ -193,11 +143,9 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
             kwargs = rollout.engine_kwargs(
                 prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
             )
-            if prep.routing is not None:
-                stack.enter_context(stage.engine_env(prep.routing))
-            llm = stack.enter_context(
-                rollout.engine({**kwargs, **stage.engine_kwargs(prep.routing)})
-            )
+            run.engine_args = {**kwargs, **stage.engine_kwargs(prep.routing)}
+            run.engine_env = rollout.engine_env(stage.engine_env(prep.routing))
+            llm = stack.enter_context(rollout.engine(run.engine_args, run.engine_env))
     except rollout.EngineStartError as exc:
         stack.close()
         if cfg.strict:
@@ -321,20 +269,25 @@ def write_store(
 
 
 def _metrics(
-    paths: dict[str, Path], scored: dict[Setting, Rescored], runs: list[RolloutRun]
-) -> dict[str, dict[str, float]]:
-    """Metrics per setting: ``metrics.json`` (reference setting, full curves) and
-    ``settings.json`` (every setting, least mismatch first, with its generation throughput)."""
+    paths: dict[str, Path], scored: dict[Setting, Rescored]
+) -> dict[Setting, MetricsResult]:
+    """Every setting's metrics (default ``MetricsConfig``), computed once: the reports and
+    ``settings.json`` are made from these."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
 
+    return {s: compute_metrics(paths["tokens"], MetricsConfig(), setting=s.name) for s in scored}
+
+
+def _settings_json(
+    paths: dict[str, Path], results: dict[Setting, MetricsResult], runs: list[RolloutRun]
+) -> dict[str, dict[str, float]]:
+    """``settings.json``: every setting's flat metrics with its generation throughput, least
+    mismatch (``k3_kl``) first. Returns the same flat metrics in the scan's setting order."""
     speed = {r.setting: r.tokens_per_s for r in runs}
-    results = {s: compute_metrics(paths["tokens"], MetricsConfig(), setting=s.name) for s in scored}
     flat = {
         s.name: {**m.flat(), "rollout_tokens_per_s": speed[s.rollout]} for s, m in results.items()
     }
-    paths["metrics"] = paths["tokens"].with_name("metrics.json")
-    store.write_json(paths["metrics"], next(iter(results.values())).to_json_dict())
     ranked = dict(sorted(flat.items(), key=lambda item: item[1]["k3_kl"]))
-    paths["settings"] = paths["tokens"].with_name("settings.json")
+    paths["settings"] = paths["tokens"].with_name(store.SETTINGS_FILE)
     store.write_json(paths["settings"], {"order": list(ranked), "settings": ranked})
     return flat

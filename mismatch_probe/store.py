@@ -64,9 +64,17 @@ SEQUENCE_SCHEMA = pa.schema(
 # The columns a metrics reader needs; any Parquet file with these can be analysed.
 METRIC_COLUMNS = ("seq_id", "position", "rollout_logprob", "train_logprob")
 
-TOKENS_FILE = "tokens.parquet"
-SEQUENCES_FILE = "sequences.parquet"
-RUN_FILE = "run.json"
+# Every file a run directory can hold: the one place their names are written.
+TOKENS_FILE = "tokens.parquet"  # the token store (TOKEN_SCHEMA)
+SEQUENCES_FILE = "sequences.parquet"  # one row per response (SEQUENCE_SCHEMA)
+RUN_FILE = "run.json"  # the run metadata
+METRICS_FILE = "metrics.json"  # the reference setting's metrics, curves included
+SETTINGS_FILE = "settings.json"  # every setting's flat metrics, least mismatch first
+ROUTING_FILE = "routing.parquet"  # MoE: both sides' expert ids (routing/store.py)
+ROUTING_METRICS_FILE = "routing.json"  # MoE: disagreement and the mismatch split by it
+REPORT_FILE = "report.md"
+COMPARE_FILE = "compare.md"  # written by ``probe compare`` into its own directory
+PLOTS_DIR = "plots"
 
 ROW_GROUP_TOKENS = 65_536
 
@@ -126,8 +134,13 @@ def write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON atomically (temporary name, then rename)."""
-    write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    """Write JSON atomically (temporary name, then rename); NaN and infinities are refused, so
+    no output file can hold them (strict JSON has no such values)."""
+    try:
+        text = json.dumps(data, indent=2, sort_keys=True, default=str, allow_nan=False)
+    except ValueError as exc:
+        raise ProbeError(f"refusing to write {path.name}: {exc}") from None
+    write_text(path, text + "\n")
 
 
 def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.ParquetFile:

@@ -19,6 +19,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothing downloads
 
 TINY_CONTEXT = 512
+# The prompts of the engine tests (identity, routing): short, varied, chat-templated.
+PROMPT_TEXTS = (
+    "What is the capital of France?",
+    "Solve for x: 3x + 5 = 20.",
+    "def add(a, b):",
+    "Explain why the sky is blue in one sentence.",
+    "Two plus two equals",
+    "The quick brown fox",
+)
+
+
+def encoded_prompts(tokenizer: Any, max_tokens: int = 64) -> list[Any]:
+    """``PROMPT_TEXTS`` through ``tokenizer``'s chat template, as the scan encodes them."""
+    from mismatch_probe.prompts import Prompt, encode_prompts
+
+    raw = [Prompt(i, text=t) for i, t in enumerate(PROMPT_TEXTS)]
+    return encode_prompts(raw, tokenizer, True, TINY_CONTEXT, max_tokens)
 
 
 @pytest.fixture(scope="session")

@@ -16,29 +16,19 @@ import numpy as np
 import pytest
 
 from mismatch_probe import rescore, rollout
-from mismatch_probe.prompts import Prompt, encode_prompts
 from mismatch_probe.sampling import SamplingSpec
 
-from .conftest import TINY_CONTEXT
+from .conftest import encoded_prompts
 
 pytestmark = pytest.mark.engine
 
-TEXTS = [
-    "What is the capital of France?",
-    "Solve for x: 3x + 5 = 20.",
-    "def add(a, b):",
-    "Explain why the sky is blue in one sentence.",
-    "Two plus two equals",
-    "The quick brown fox",
-]
 SAMPLES = 3
 MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny_tokenizer: Any) -> list[Any]:
-    raw = [Prompt(i, text=t) for i, t in enumerate(TEXTS)]
-    return encode_prompts(raw, tiny_tokenizer, chat=True, max_context=TINY_CONTEXT, max_tokens=64)
+    return encoded_prompts(tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
 from mismatch_probe.metrics.accum import FLOAT_MAX
-from mismatch_probe.metrics.reference import Dense, make_dense, reference_metrics, to_table
+from tests.oracle.reference import Dense, make_dense, reference_metrics, to_table
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
 NO_PRESETS = {"presets": ()}

@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
 from mismatch_probe.metrics.batch import batch_from_table
-from mismatch_probe.metrics.reference import (
+from mismatch_probe.metrics.weights import is_weights as stream_is_weights
+from tests.oracle.reference import (
     Dense,
     is_weights,
     make_dense,
     reference_metrics,
     to_table,
 )
-from mismatch_probe.metrics.weights import is_weights as stream_is_weights
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 IS_CHOICES = [

@@ -6,7 +6,8 @@ import io
 
 from rich.console import Console
 
-from mismatch_probe.metrics import MetricsConfig, MetricsResult, render_metrics
+from mismatch_probe.metrics import MetricsConfig, MetricsResult
+from mismatch_probe.report.metrics_table import render_metrics
 
 EXPECTED = """\
 Data

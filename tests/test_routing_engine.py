@@ -21,12 +21,10 @@ import pyarrow as pa
 import pytest
 
 from mismatch_probe import rescore, rollout, store
-from mismatch_probe.prompts import Prompt, encode_prompts
 from mismatch_probe.routing import RoutingShape, routing_shape
 from mismatch_probe.routing.capture_engine import (
     StepRecorder,
     capture_routes,
-    engine_env,
     engine_setup,
 )
 from mismatch_probe.routing.capture_train import TrainRouting
@@ -34,17 +32,11 @@ from mismatch_probe.routing.metrics import analyze_run, differing, routing_metri
 from mismatch_probe.routing.replay import REPLAY_MODES, forced_routes
 from mismatch_probe.routing.store import routing_table, write_routing
 from mismatch_probe.sampling import SamplingSpec
+from tests.conftest import encoded_prompts
+from tests.tolerances import ulp_bound
 
 pytestmark = pytest.mark.engine
 
-TEXTS = [
-    "What is the capital of France?",
-    "Solve for x: 3x + 5 = 20.",
-    "def add(a, b):",
-    "Explain why the sky is blue in one sentence.",
-    "Two plus two equals",
-    "The quick brown fox",
-]
 SPEC = SamplingSpec(max_tokens=40)
 SAMPLES = 3
 SINGLE = 6  # sequences also captured one at a time
@@ -69,8 +61,7 @@ def run_engine(model: Path, dtype: str, extra: dict[str, Any]) -> EngineRun:
 
     shape = routing_shape(AutoConfig.from_pretrained(model))
     assert shape is not None
-    raw = [Prompt(i, text=t) for i, t in enumerate(TEXTS)]
-    prompts = encode_prompts(raw, AutoTokenizer.from_pretrained(model), True, 512, 64)
+    prompts = encoded_prompts(AutoTokenizer.from_pretrained(model))
     setup = engine_setup()
     kwargs = {
         "model": str(model),
@@ -84,7 +75,7 @@ def run_engine(model: Path, dtype: str, extra: dict[str, Any]) -> EngineRun:
         **setup.kwargs,
         **extra,
     }
-    with engine_env(setup), rollout.engine(kwargs) as llm:
+    with rollout.engine(kwargs, rollout.engine_env(setup.env)) as llm:
         rolls = rollout.generate(llm, prompts, SPEC, SAMPLES)
         with spy_steps() as steps:
             routes = capture_routes(llm, rolls, shape, setup.capture_path)
@@ -209,10 +200,13 @@ def test_fp32_engine_routes_like_fp32_trainer(fp32_run: EngineRun, fp32_scored: 
     )
     assert metrics.any_layer_differs <= 0.01
     lp = fp32_scored.logprobs
-    assert np.abs(lp["rollout"] - lp["none"]).max() < 1e-5
-    assert np.abs(fp32_scored.log_ratio["none"]).max() < 1e-4
+    moved = ulp_bound(lp["none"])  # replay reorders float32 sums: a few ulps
+    assert np.abs(lp["rollout"] - lp["none"]).max() <= moved
+    r = fp32_scored.log_ratio["none"]
+    assert np.abs(r).max() < 1e-4
+    # k3(r) ~ mean(r^2) / 2 moves by at most mean(|r| + moved) * moved when each r moves by moved
     assert k3(fp32_scored.log_ratio["rollout"]) == pytest.approx(
-        k3(fp32_scored.log_ratio["none"]), abs=1e-9
+        k3(r), rel=0, abs=float(np.mean(np.abs(r) + moved)) * moved
     )
 
 

@@ -58,3 +58,24 @@ def test_r3_removes_mismatch_and_the_report_shows_it(moe_run: Path) -> None:
     report = (moe_run / "report.md").read_text()
     assert "## MoE routing" in report and "replay=rollout" in report
     assert (moe_run / "plots" / "routing_disagreement.png").is_file()
+
+
+def test_engine_args_are_the_ones_the_engine_started_with(moe_run: Path) -> None:
+    """run.json records the capture's engine arguments and environment, not a recomputation."""
+    (record,) = json.loads((moe_run / "run.json").read_text())["rollouts"]
+    assert record["engine_args"]["enable_prefix_caching"] is False
+    assert record["engine_args"]["kv_cache_memory_bytes"] == 64 << 20
+    assert record["engine_args"]["distributed_executor_backend"] == "uni"
+    assert record["engine_env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_probe_report_redraws_the_routing_plots(moe_run: Path) -> None:
+    from mismatch_probe.report import write_report
+
+    plots = moe_run / "plots"
+    names = ("routing_disagreement.png", "routing_logratio_by_layers.png")
+    for name in names:
+        (plots / name).unlink()
+    paths = write_report(moe_run)
+    assert all((plots / name).is_file() for name in names)
+    assert paths["plot_routing_disagreement"] == plots / names[0]

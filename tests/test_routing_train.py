@@ -19,6 +19,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.routing import routing_shape
 from mismatch_probe.routing.capture_train import ROUTER_WEIGHTS, TrainRouting, router_modules
 from mismatch_probe.sampling import SamplingSpec
+from tests.tolerances import ulp_bound
 
 SPEC = SamplingSpec(temperature=0.7)  # no top-k/top-p: random tokens keep finite log-probs
 # (prompt length, response length): different lengths, so batches are padded in both directions
@@ -63,7 +64,8 @@ def test_replaying_own_routes_changes_nothing(moe_model: Path, requests_: Any, d
     forced = TrainRouting(model, requests_, shape, forced=own.recorded)
     replayed = score(model, requests_, forced, 64)
     np.testing.assert_array_equal(recorded, plain)  # recording alone changes nothing
-    assert np.abs(replayed - plain).max() <= 1e-6
+    # replayed routes recompute the expert weights and reorder the expert sum: a few ulps
+    assert np.abs(replayed - plain).max() <= ulp_bound(plain, dtype=dtype)
     for mine, again in zip(own.recorded, forced.recorded, strict=True):
         np.testing.assert_array_equal(mine, again)
     assert [r.shape for r in own.recorded] == [(p + r - 1, 2, 2) for p, r in LENGTHS]
@@ -97,7 +99,7 @@ def test_forcing_one_route_changes_what_depends_on_it(
     replayed = score(model, requests_, TrainRouting(model, requests_, shape, forced), 1 << 16)
     start = sum(r for _, r in LENGTHS[:2])  # first response token of request 2
     delta = np.abs(replayed - plain)
-    moved = np.flatnonzero(delta > 1e-6) - start
+    moved = np.flatnonzero(delta > ulp_bound(plain)) - start  # changed beyond rounding
     if changed == "one token":
         assert moved.tolist() == [target]
     else:

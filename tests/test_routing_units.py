@@ -28,6 +28,7 @@ from mismatch_probe.routing.metrics import (
 )
 from mismatch_probe.routing.replay import check_replay, forced_routes, parse_replay_modes
 from mismatch_probe.routing.store import read_routing, routing_table, write_routing
+from tests.tolerances import ulp_bound
 
 LN2 = math.log(2.0)
 
@@ -126,7 +127,9 @@ def test_compare_replay_by_hand() -> None:
     assert c.modes["rollout"].k3_kl == pytest.approx((1 - LN2) / 3)
     assert c.k3_removed["none"] == pytest.approx(0.0)
     assert c.k3_removed["rollout"] == pytest.approx(1 - (1 - LN2) / 0.5)
-    assert [s.mean_abs_log_ratio for s in c.by_differing_layers["rollout"]] == [0.0, 0.0, LN2]
+    assert [s.mean_abs_log_ratio for s in c.by_differing_layers["rollout"]] == pytest.approx(
+        [0.0, 0.0, LN2]
+    )  # verl's masked mean: sum / (n + 1e-8)
     alone = compare_replay({"rollout": R}, count, layers=2)  # no baseline to remove from
     assert alone.k3_removed == {"rollout": None}
 
@@ -205,8 +208,9 @@ def test_analyze_run_joins_tokens_and_routes(tmp_path: Path) -> None:
     metrics, replay = analyze_run(tmp_path, tmp_path, {"none": "a", "rollout": "b"})
     expected = routing_metrics(ROLLOUT, TRAIN, R, (0, 1))
     assert metrics.layer_disagreement == expected.layer_disagreement
-    assert metrics.differ.k3_kl == pytest.approx(0.25, abs=1e-6)
-    assert replay.modes["rollout"].k3_kl == pytest.approx((1 - LN2) / 3, abs=1e-6)
+    stored = ulp_bound(np.array([1 + LN2]))  # the log-probs went through float32 storage
+    assert metrics.differ.k3_kl == pytest.approx(0.25, rel=0, abs=stored)
+    assert replay.modes["rollout"].k3_kl == pytest.approx((1 - LN2) / 3, rel=0, abs=stored)
     _, only_r3 = analyze_run(tmp_path, tmp_path, {"rollout": "b"})  # its routes are the baseline
     assert only_r3.modes["rollout"] == replay.modes["rollout"]
     with pytest.raises(ProbeError, match="did not rescore"):
@@ -300,18 +304,64 @@ def test_tiny_moe_checkpoint(tmp_path: Path, arch: str) -> None:
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
-    from mismatch_probe.routing.plots import (
+    from mismatch_probe.report.routing import (
         plot_disagreement_by_layer,
         plot_logratio_by_differing_layers,
     )
 
-    metrics = routing_metrics(ROLLOUT, TRAIN, R, (0, 1))
+    metrics = routing_metrics(ROLLOUT, TRAIN, R, (0, 1)).to_json_dict()
     count = differing(ROLLOUT, TRAIN).sum(axis=1)
-    replay = compare_replay({"none": R, "rollout": R / 10}, count, layers=2)
+    replay = compare_replay({"none": R, "rollout": R / 10}, count, layers=2).to_json_dict()
     paths = [
         plot_disagreement_by_layer(metrics, tmp_path / "a.png"),
-        plot_logratio_by_differing_layers(metrics, tmp_path / "b.png"),
-        plot_logratio_by_differing_layers(metrics, tmp_path / "c.png", replay),
+        plot_logratio_by_differing_layers(metrics, {}, tmp_path / "b.png"),
+        plot_logratio_by_differing_layers(metrics, replay, tmp_path / "c.png"),
     ]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5_000
+
+
+def test_minus_infinity_log_prob_keeps_routing_json_finite(tmp_path: Path) -> None:
+    """A training log-prob of -inf (a token the trainer gives zero probability) is read as the
+    metric engine's floor (-9999): routing.json and the summary stay finite, and R3's share is
+    a number, never 'nan%'."""
+    from mismatch_probe.report.routing import load, summary_lines
+    from mismatch_probe.routing.stage import routing_outputs
+    from mismatch_probe.settings import RolloutSetting, Setting
+
+    none, r3 = (Setting(RolloutSetting("bfloat16"), "float32", m) for m in ("none", "rollout"))
+    prompt = np.array([[[0, 1], [2, 3]]], np.int16)
+    roll = [np.concatenate([prompt, ROLLOUT[:2]]), ROLLOUT[2:]]
+    train = [np.concatenate([prompt, TRAIN[:2]]), TRAIN[2:]]
+    table = pa.concat_tables(
+        [
+            routing_table(s.name, ids, [2, 1], roll, train)
+            for s, ids in ((none, [0, 1]), (r3, [2, 3]))
+        ]
+    )
+    write_routing(tmp_path / store.ROUTING_FILE, table, SHAPE, "prefill_replay", {})
+    inf = float("-inf")
+    tokens = pa.concat_tables(
+        [
+            _tokens_table(none.name, [0, 0, 1], [-1.0, -1.0, -1.0], [inf, -1.0 + LN2, -1.0]),
+            _tokens_table(r3.name, [2, 2, 3], [-1.0, -1.0, -1.0], [inf, -1.0, -1.0]),
+        ]
+    )
+    store.write_table(tmp_path / store.TOKENS_FILE, tokens, store.TOKEN_SCHEMA, {})
+    routing_outputs(tmp_path, [none, r3])
+    text = (tmp_path / store.ROUTING_METRICS_FILE).read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    data = load(tmp_path)
+    split = next(iter(data.values()))["metrics"]
+    floor = -9999.0 + 1.0  # r of the -inf token: floor - rollout
+    k3_floor = math.expm1(floor) - floor
+    assert split["agree"]["k3_kl"] == pytest.approx(k3_floor, rel=1e-7)  # token 0 agrees
+    (line,) = summary_lines(data)
+    assert "nan" not in line and "R3 removes" in line
+
+
+def test_write_json_refuses_nan_and_infinity(tmp_path: Path) -> None:
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ProbeError, match=r"refusing to write x\.json"):
+            store.write_json(tmp_path / "x.json", {"k3_kl": bad})
+    assert not (tmp_path / "x.json").exists()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from mismatch_probe.sampling import SamplingSpec, _top_k_top_p, token_logprobs
+from tests.tolerances import ulp_bound
 
 
 def vllm_reference(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
@@ -41,7 +43,8 @@ def test_top_p_keeps_exactly_the_nucleus() -> None:
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     spec = SamplingSpec(top_p=0.7)
     lp, flip = token_logprobs(logits, torch.tensor([1]), spec, flip_eps=1e-3)
-    assert lp.item() == pytest.approx(torch.tensor(0.3 / 0.8).log().item(), abs=1e-6)
+    want = torch.tensor(0.3 / 0.8).log().item()  # float32 log-softmax over 2 kept tokens
+    assert lp.item() == pytest.approx(want, rel=0, abs=ulp_bound(np.array([want])))
     assert not flip.item()
     masked, _ = _top_k_top_p(logits, spec, eps=0.0)
     assert torch.isinf(masked[0, 2:]).all() and not torch.isinf(masked[0, :2]).any()
@@ -95,7 +98,8 @@ def test_batched_rescoring_equals_one_sequence_at_a_time(tiny_model) -> None:  #
     single = rescore.rescore(model, requests, spec, 1e-4, batch_tokens=1)
     for b, s in zip(batched, single, strict=True):
         finite = np.isfinite(s.logprobs)
-        np.testing.assert_allclose(b.logprobs[finite], s.logprobs[finite], atol=2e-5)
+        bound = ulp_bound(s.logprobs)  # padding changes the GEMM shapes, so the sum order
+        np.testing.assert_allclose(b.logprobs[finite], s.logprobs[finite], rtol=0, atol=bound)
 
 
 def test_top_p_window_cascade_equals_full_sort() -> None:

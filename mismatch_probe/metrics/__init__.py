@@ -32,21 +32,21 @@ Choices where the spec leaves room (verl's behaviour unless it would give NaN/in
 
 Module map: ``config`` (parsing, validation), ``batch`` (token batches, per-sequence
 reductions), ``weights`` (IS), ``rejection`` (RS), ``offpolicy``, ``diagnostics``, ``curves``,
-``preset_metrics``, ``stream`` (the one-pass engine), ``reference`` (dense in-memory check),
-``render`` (rich tables).
+``preset_metrics``, ``stream`` (the one-pass ``MetricEngine``). Numbers only: the tables that
+show them are ``report.metrics_table``; the dense oracle that checks them lives in ``tests/``.
 """
 
 from mismatch_probe.metrics.config import RS_OPTIONS, MetricsConfig
-from mismatch_probe.metrics.presets import PRESETS, Preset
-from mismatch_probe.metrics.render import render_metrics
+from mismatch_probe.metrics.presets import PRESET_COLUMNS, PRESET_PREFIX, PRESETS, Preset
 from mismatch_probe.metrics.stream import MetricsResult, compute_metrics
 
 __all__ = [
     "PRESETS",
+    "PRESET_COLUMNS",
+    "PRESET_PREFIX",
     "RS_OPTIONS",
     "MetricsConfig",
     "MetricsResult",
     "Preset",
     "compute_metrics",
-    "render_metrics",
 ]

@@ -20,6 +20,7 @@ import numpy as np
 from mismatch_probe.metrics.accum import Counts, eff_sample_size, mmean
 from mismatch_probe.metrics.batch import TokenBatch
 from mismatch_probe.metrics.config import PresetSpec
+from mismatch_probe.metrics.presets import PRESET_PREFIX
 from mismatch_probe.metrics.rejection import dropped_seqs, rs_keep
 from mismatch_probe.metrics.weights import is_weights
 
@@ -50,7 +51,7 @@ class PresetAccumulator:
         self.n_seq_masked += int(dropped_seqs(b, kept).sum())
 
     def scalars(self, counts: Counts) -> dict[str, float]:
-        p = f"presets/{self.preset.name}"
+        p = f"{PRESET_PREFIX}{self.preset.name}"
         return {
             f"{p}/token_masked_fraction": mmean(self.n_masked, counts.tokens),
             f"{p}/seq_masked_fraction": self.n_seq_masked / counts.seqs,

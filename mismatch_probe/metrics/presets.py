@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Flat keys of a preset: f"{PRESET_PREFIX}{name}/{column}" for each column.
+PRESET_PREFIX = "presets/"
+PRESET_COLUMNS = ("token_masked_fraction", "seq_masked_fraction", "eff_sample_size")
+
 
 @dataclass(frozen=True)
 class Preset:

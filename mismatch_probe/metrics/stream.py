@@ -63,7 +63,7 @@ class MetricsResult:
         return {**self.scalars, "config": self.config.describe(), "curves": self.curves}
 
 
-class Engine:
+class MetricEngine:
     """Every accumulator a configuration needs, fed batch by batch."""
 
     def __init__(self, config: MetricsConfig, has_flip: bool) -> None:
@@ -137,7 +137,7 @@ def compute_metrics(
     if setting is not None and "setting" not in names:
         raise ProbeError(f"{path} has no setting column; drop the setting filter")
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
-    engine = Engine(config, has_flip="support_flip" in names)
+    engine = MetricEngine(config, has_flip="support_flip" in names)
     seen: set[str] = set()
     for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional]):
         table = _select_setting(table, setting, seen)

@@ -8,26 +8,27 @@ Public API::
 
 Module map: ``context`` (load a run directory), ``verdicts`` (health checks as a table),
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
-(matplotlib PNGs), ``markdown`` (report.md), ``compare`` (several runs side by side),
-``check`` (bounds for CI). The reports read only the run directory: no model, no tokenizer.
+(matplotlib PNGs), ``markdown`` (report.md), ``settings`` (a matrix run's settings side by
+side), ``routing`` (the MoE section and plots, from routing.json), ``compare`` (several runs
+side by side), ``check`` (bounds for CI), ``metrics_table`` (``probe metrics``' tables),
+``summary`` (the scan's last word). This is the only package that renders (rich tables,
+Markdown, matplotlib). The reports read only the run directory: no model, no tokenizer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import store
-from mismatch_probe.report.context import METRICS_FILE, RunContext, load_run
+from mismatch_probe.report.context import RunContext, load_run
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from mismatch_probe.metrics import MetricsConfig
     from mismatch_probe.report.compare import Entry
-
-REPORT_FILE = "report.md"
-PLOTS_DIR = "plots"
 
 __all__ = [
     "RunContext",
@@ -41,41 +42,53 @@ __all__ = [
 
 
 def load_report(
-    run_dir: Path, metrics_config: MetricsConfig | None = None
+    run_dir: Path,
+    metrics_config: MetricsConfig | None = None,
+    computed: Mapping[str, dict[str, Any]] | None = None,
 ) -> tuple[RunContext, list[Entry]]:
     """Load what a report shows: the run (its reference setting when the store holds several)
-    and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first)."""
+    and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
+
+    Args:
+        computed: setting name -> ``MetricsResult.to_json_dict()`` the caller already has (the
+            scan's, default config): used instead of computing them again.
+    """
     from mismatch_probe.report.settings import setting_entries, setting_names
 
     run_dir = Path(run_dir)
     names = setting_names(run_dir)
     reference = names[0] if len(names) > 1 else None
-    return load_run(run_dir, metrics_config, reference), setting_entries(run_dir, metrics_config)
+    given = dict(computed or {})
+    first = given.get(names[0]) if names else None
+    ctx = load_run(run_dir, metrics_config, reference, data=first)
+    return ctx, setting_entries(run_dir, metrics_config, given)
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
-    """Write ``metrics.json``, ``plots/<name>.png`` and ``report.md`` of a loaded run; with
-    ``entries`` (the settings of a matrix run) the report ends with them side by side.
+    """Write ``metrics.json``, ``plots/<name>.png`` (the routing plots too, for an MoE run) and
+    ``report.md`` of a loaded run; with ``entries`` (the settings of a matrix run) the report
+    ends with them side by side.
 
     Returns:
         ``{"metrics": ..., "report": ..., "plot_<name>": ...}`` paths.
     """
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
+    from mismatch_probe.report.routing import routing_markdown, write_routing_plots
     from mismatch_probe.report.settings import settings_markdown
 
-    paths = {"metrics": ctx.run_dir / METRICS_FILE, "report": ctx.run_dir / REPORT_FILE}
+    run_dir = ctx.run_dir
+    paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
     store.write_json(paths["metrics"], ctx.json_dict())
-    plots = write_plots(ctx, ctx.run_dir / PLOTS_DIR)
-    from mismatch_probe.routing.report import routing_markdown
-
+    plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
+    routing_plots = write_routing_plots(run_dir)
     text = render_markdown(ctx, plots)
     if entries:
-        text += "\n" + settings_markdown(entries, ctx.run_dir)
-    routing = routing_markdown(ctx.run_dir)
+        text += "\n" + settings_markdown(entries, run_dir)
+    routing = routing_markdown(run_dir)
     text += "\n" + routing if routing else ""
     store.write_text(paths["report"], text)
-    return {**paths, **{f"plot_{name}": path for name, (path, _) in plots.items()}}
+    return {**paths, **{f"plot_{name}": path for name, (path, _) in plots.items()}, **routing_plots}
 
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:

@@ -19,6 +19,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.report.context import RunContext, load_run
 from mismatch_probe.report.markdown import escape, table
@@ -31,7 +32,6 @@ from mismatch_probe.report.plots import (
 )
 from mismatch_probe.report.sections import KEY_METRICS, fmt
 
-COMPARE_FILE = "compare.md"
 # What must match for runs to measure the same thing: (what, path in run.json).
 IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "name")),
@@ -228,6 +228,6 @@ def comparison_markdown(
 def write_comparison(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
     """Write the overlaid plots and ``compare.md`` into ``out_dir``; returns their paths."""
     plots = overlay_plots(list(comparison.entries), out_dir)
-    report = out_dir / COMPARE_FILE
+    report = out_dir / store.COMPARE_FILE
     report.write_text(comparison_markdown(comparison, plots, out_dir))
     return {"report": report, **{f"plot_{name}": path for name, (path, _) in plots.items()}}

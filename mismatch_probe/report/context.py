@@ -24,7 +24,6 @@ from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
 
-METRICS_FILE = "metrics.json"
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
 CAUSES = {True: "support flip", False: "numeric drift", None: "unknown"}
@@ -89,7 +88,10 @@ class RunContext:
 
 
 def load_run(
-    run_dir: Path, metrics_config: MetricsConfig | None = None, setting: str | None = None
+    run_dir: Path,
+    metrics_config: MetricsConfig | None = None,
+    setting: str | None = None,
+    data: dict[str, Any] | None = None,
 ) -> RunContext:
     """Load a run directory written by ``probe scan``.
 
@@ -100,6 +102,8 @@ def load_run(
             None reuses ``metrics.json`` (default config when it is missing).
         setting: only the rows of this setting, metrics always recomputed (``metrics.json``
             covers one setting of a store that holds several).
+        data: the metrics (``MetricsResult.to_json_dict()``) when the caller has computed them
+            already with ``metrics_config`` (default config when None): nothing is recomputed.
 
     Raises:
         ProbeError: not a run directory, or an unreadable token store.
@@ -109,7 +113,8 @@ def load_run(
         raise ProbeError(f"{run_dir} is not a run directory")
     tokens = run_dir / store.TOKENS_FILE
     store.open_parquet(tokens)
-    data = _metrics_data(run_dir, metrics_config, setting)
+    if data is None or (metrics_config is not None and data["config"] != metrics_config.describe()):
+        data = _metrics_data(run_dir, metrics_config, setting)
     flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
     curves = data["curves"]
     return RunContext(
@@ -135,7 +140,7 @@ def _run_metadata(run_dir: Path) -> dict[str, Any]:
 
 def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
     """``metrics.json`` if it exists and has the expected shape, else None."""
-    path = run_dir / METRICS_FILE
+    path = run_dir / store.METRICS_FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

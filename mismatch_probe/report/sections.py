@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-PRESET_PREFIX = "presets/"
-PRESET_COLUMNS = ("token_masked_fraction", "seq_masked_fraction", "eff_sample_size")
+from mismatch_probe.metrics.presets import PRESET_COLUMNS, PRESET_PREFIX
 
 # (key, what it means) for the key-metrics table of report.md and the rows of `probe compare`.
 KEY_METRICS: tuple[tuple[str, str], ...] = (

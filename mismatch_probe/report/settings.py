@@ -21,8 +21,6 @@ from mismatch_probe.report.compare import Entry, compare_rows, comparison_table,
 from mismatch_probe.report.compare import row_cells as compare_row_cells
 from mismatch_probe.report.markdown import escape, table
 
-SETTINGS_FILE = "settings.json"
-
 
 def setting_names(run_dir: Path) -> list[str]:
     """The settings in the token store, in the scan's order (first = the reference)."""
@@ -36,8 +34,13 @@ def setting_names(run_dir: Path) -> list[str]:
     return [s for s in order if s in present] + [s for s in present if s not in order]
 
 
-def setting_entries(run_dir: Path, metrics_config: Any = None) -> list[Entry]:
-    """One ``Entry`` per setting, least ``k3_kl`` first; [] for a single-setting run."""
+def setting_entries(
+    run_dir: Path, metrics_config: Any = None, computed: dict[str, dict[str, Any]] | None = None
+) -> list[Entry]:
+    """One ``Entry`` per setting, least ``k3_kl`` first; [] for a single-setting run.
+
+    ``computed``: setting name -> metrics already computed with ``metrics_config`` (default
+    config when None), reused instead of recomputed."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
 
     names = setting_names(run_dir)
@@ -47,7 +50,9 @@ def setting_entries(run_dir: Path, metrics_config: Any = None) -> list[Entry]:
     cfg = metrics_config or MetricsConfig()
     entries = []
     for name in names:
-        data = compute_metrics(run_dir / store.TOKENS_FILE, cfg, setting=name).to_json_dict()
+        data = (computed or {}).get(name)
+        if data is None or data["config"] != cfg.describe():
+            data = compute_metrics(run_dir / store.TOKENS_FILE, cfg, setting=name).to_json_dict()
         flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
         if name in speed:
             flat["rollout_tokens_per_s"] = speed[name]
@@ -71,7 +76,7 @@ def render_settings(entries: list[Entry], console: Console) -> None:
 
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
     """A ``## Precision settings`` section with the table, the recommendation and overlaid plots."""
-    plots = overlay_plots(entries, run_dir / "plots" / "settings")
+    plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings")
     header = ["metric"]
     for i, e in enumerate(entries):
         header += [escape(e.label)] + ([f"× {escape(entries[0].label)}"] if i else [])
@@ -103,7 +108,7 @@ def _run_json(run_dir: Path) -> dict[str, Any]:
 
 
 def _throughput(run_dir: Path) -> dict[str, float]:
-    path = run_dir / SETTINGS_FILE
+    path = run_dir / store.SETTINGS_FILE
     if not path.is_file():
         return {}
     settings = json.loads(path.read_text()).get("settings", {})

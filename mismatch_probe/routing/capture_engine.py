@@ -21,7 +21,6 @@ Both return, per sequence, ``[T, L, K]`` int16 routes over the columns ``0 .. P 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -87,36 +86,6 @@ def engine_setup(capture_path: str = "auto") -> EngineSetup:
         raise ProbeError(f"unknown capture path {capture_path!r}; choose from {CAPTURE_PATHS}")
     kwargs, env = _ENGINE[capture_path]
     return EngineSetup(capture_path, dict(kwargs), dict(env))
-
-
-@contextmanager
-def engine_env(setup: EngineSetup) -> Iterator[None]:
-    """Set ``setup.env`` around the engine's creation and life; restore it afterwards.
-
-    vLLM reads these variables lazily, but freezes them (``vllm.envs`` cache) once an
-    in-process engine has started: the cache is cleared on entry and on exit so that each
-    engine of a process sees the environment it was created in.
-    """
-    saved = {key: os.environ.get(key) for key in setup.env}
-    os.environ.update(setup.env)
-    _clear_vllm_env_cache()
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        _clear_vllm_env_cache()
-
-
-def _clear_vllm_env_cache() -> None:
-    import vllm.envs
-
-    reset = getattr(vllm.envs, "disable_envs_cache", None)
-    if reset is not None:
-        reset()
 
 
 def capture_routes(
@@ -216,7 +185,7 @@ def _in_process_runner(llm: Any) -> Any:
     if runner is None or not hasattr(runner, "input_batch"):
         raise ProbeError(
             "prefill-replay routing capture needs the engine's worker in this process: start "
-            "the engine inside routing.engine_env(setup) with setup.kwargs "
+            "the engine with setup.kwargs and setup.env "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend='uni')"
         )
     return runner

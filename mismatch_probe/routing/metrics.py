@@ -3,7 +3,9 @@
 Inputs are arrays over response tokens: the engine's and the training router's expert ids
 ``[N, L, K]`` (compared as sets per (token, layer)) and the log-ratio
 ``r = train_logprob - rollout_logprob`` ``[N]`` of the same tokens. Mismatch per group is
-``k3_kl = mean(exp(r) - 1 - r)`` (the k3 estimator of KL(rollout || train)) and ``mean |r|``.
+``k3_kl = mmean(exp(r) - 1 - r)`` (the k3 estimator of KL(rollout || train)) and ``mmean |r|``,
+computed by the metric engine's functions with its rules (log-probs below -9999, ``-inf``
+included, read as -9999; an overflowing k3 capped), so every number here is finite.
 
 ``compare_replay`` lines up several rescorings of the same tokens (``none``: the training
 router routes; ``rollout``: R3, the engine's routes forced) and reports what replay removes,
@@ -26,6 +28,9 @@ import pyarrow.parquet as pq
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics.accum import capped, mmean
+from mismatch_probe.metrics.batch import normalize_logprobs
+from mismatch_probe.metrics.offpolicy import k3_terms
 from mismatch_probe.routing.store import RoutingData, read_routing
 
 
@@ -39,11 +44,14 @@ class MismatchStats:
 
 
 def mismatch_stats(log_ratio: np.ndarray) -> MismatchStats:
-    """``MismatchStats`` of ``r = train - rollout`` ``[n]`` (float64 arithmetic)."""
+    """``MismatchStats`` of ``r = train - rollout`` ``[n]``, with the metric engine's own k3
+    terms, masked mean and overflow cap (``r`` comes from ``normalize_logprobs``, so it is
+    finite; a k3 that overflows float64 is reported as the largest float)."""
     r = np.asarray(log_ratio, np.float64)
     if r.size == 0:
         return MismatchStats(0, None, None)
-    return MismatchStats(int(r.size), float(np.mean(np.expm1(r) - r)), float(np.abs(r).mean()))
+    k3_kl, _ = capped(mmean(float(k3_terms(r).sum()), r.size))
+    return MismatchStats(int(r.size), k3_kl, mmean(float(np.abs(r).sum()), r.size))
 
 
 @dataclass(frozen=True)
@@ -137,12 +145,16 @@ def compare_replay(
     """
     modes = {m: mismatch_stats(r) for m, r in log_ratios.items()}
     base = modes["none"].k3_kl if "none" in modes else None
-    removed = {
-        m: (1.0 - s.k3_kl / base) if base and s.k3_kl is not None else None
-        for m, s in modes.items()
-    }
+    removed = {m: _share_removed(s.k3_kl, base) for m, s in modes.items()}
     by = {m: by_count(differing_layers, r, layers) for m, r in log_ratios.items()}
     return ReplayComparison(modes, removed, by)
+
+
+def _share_removed(k3: float | None, base: float | None) -> float | None:
+    """``1 - k3 / base`` (None without a positive finite baseline), capped to a finite value."""
+    if k3 is None or not base:
+        return None
+    return capped(1.0 - k3 / base)[0]
 
 
 def analyze_run(
@@ -191,8 +203,9 @@ def _read_tokens(path: Path, setting: str) -> dict[str, np.ndarray]:
     if table.num_rows == 0:
         raise ProbeError(f"{path} has no tokens of setting {setting!r}")
     out = {c: table.column(c).to_numpy() for c in cols}
+    valid = np.ones(table.num_rows, dtype=bool)  # the store's log-prob columns are not null
     for c in ("rollout_logprob", "train_logprob"):
-        out[c] = out[c].astype(np.float64)
+        out[c] = normalize_logprobs(out[c], valid, c)  # the metric engine's floor for -inf
     return out
 
 

@@ -5,13 +5,12 @@ does not call. For an MoE model: the engine is started so that routes can be cap
 (``engine_kwargs``, ``engine_env``), each engine's routes are captured after sampling
 (``capture``), the training forward records (or, with ``--routing-replay rollout``, forces) its
 routes while rescoring (``train_routing``), and the routes are stored (``routing.parquet``),
-measured and plotted (``routing.json``, ``plots/routing_*.png``).
+measured (``routing.json``); the report draws the routing section and plots from that file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,8 +24,6 @@ from mismatch_probe.routing.shape import RoutingShape
 if TYPE_CHECKING:
     from mismatch_probe.routing.capture_train import TrainRouting
     from mismatch_probe.settings import Setting
-
-ROUTING_JSON = "routing.json"
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,10 @@ def engine_kwargs(routing: Routing | None) -> dict[str, Any]:
     return dict(routing.setup.kwargs) if routing else {}
 
 
-def engine_env(routing: Routing) -> AbstractContextManager[None]:
-    return capture_engine.engine_env(routing.setup)
+def engine_env(routing: Routing | None) -> dict[str, str]:
+    """Environment variables the capture needs while the engine lives (vLLM reads them at
+    creation)."""
+    return dict(routing.setup.env) if routing else {}
 
 
 def capture(llm: Any, rollouts: Sequence[Any], routing: Routing) -> list[Any]:
@@ -90,7 +89,7 @@ def write_routing(
         )
         for setting, rescored in scored.items()
     ]
-    path = out / routing_store.ROUTING_FILE
+    path = out / store.ROUTING_FILE
     capture_path = routing.setup.capture_path
     routing_store.write_routing(path, pa.concat_tables(tables), routing.shape, capture_path, run)
     run["routing"] = routing_store.routing_metadata(routing.shape, capture_path)
@@ -98,46 +97,30 @@ def write_routing(
 
 
 def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:
-    """``routing.json`` (per rollout/training pair: disagreement, mismatch split, what each
-    replay mode removes) and the two routing plots of the first pair."""
-    from mismatch_probe.routing import plots
+    """``routing.json`` (``store.ROUTING_METRICS_FILE``): per rollout/training pair, the
+    disagreement, the mismatch split by it, and what each replay mode removes. The report
+    draws its section and plots from it."""
     from mismatch_probe.routing.metrics import analyze_run
-    from mismatch_probe.routing.store import ROUTING_FILE
     from mismatch_probe.settings import Setting
 
     groups: dict[str, dict[str, str]] = {}
     for s in settings:
         groups.setdefault(Setting(s.rollout, s.train_dtype).name, {})[s.replay] = s.name
-    results, paths = {}, {}
-    for i, (label, modes) in enumerate(groups.items()):
-        metrics, comparison = analyze_run(out / store.TOKENS_FILE, out / ROUTING_FILE, modes)
+    results = {}
+    for label, modes in groups.items():
+        metrics, comparison = analyze_run(out / store.TOKENS_FILE, out / store.ROUTING_FILE, modes)
         results[label] = {
             "settings": modes,
             "metrics": metrics.to_json_dict(),
             "replay": comparison.to_json_dict(),
         }
-        if i == 0:
-            (out / "plots").mkdir(exist_ok=True)
-            paths["plot_routing_disagreement"] = plots.plot_disagreement_by_layer(
-                metrics, out / "plots" / plots.DISAGREEMENT_PNG
-            )
-            paths["plot_routing_by_layers"] = plots.plot_logratio_by_differing_layers(
-                metrics, out / "plots" / plots.BY_LAYERS_PNG, comparison
-            )
-    paths["routing_metrics"] = out / ROUTING_JSON
-    store.write_json(paths["routing_metrics"], results)
-    return paths
+    path = out / store.ROUTING_METRICS_FILE
+    store.write_json(path, results)
+    return {"routing_metrics": path}
 
 
 def remove_outputs(out: Path) -> None:
-    """Delete routing files a previous run left in ``out`` (they would describe another run)."""
-    from mismatch_probe.routing import plots
-    from mismatch_probe.routing.store import ROUTING_FILE
-
-    for path in (
-        out / ROUTING_FILE,
-        out / ROUTING_JSON,
-        out / "plots" / plots.DISAGREEMENT_PNG,
-        out / "plots" / plots.BY_LAYERS_PNG,
-    ):
-        path.unlink(missing_ok=True)
+    """Delete routing files a previous run left in ``out`` (they would describe another run;
+    the report removes the routing plots of a run without ``routing.json``)."""
+    for name in (store.ROUTING_FILE, store.ROUTING_METRICS_FILE):
+        (out / name).unlink(missing_ok=True)

@@ -32,7 +32,6 @@ from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.routing.shape import RoutingShape
 
-ROUTING_FILE = "routing.parquet"
 ROUTING_COLUMNS = ("seq_id", "position", "rollout_experts", "train_experts")
 
 
@@ -130,7 +129,7 @@ class RoutingData:
 
 def read_routing(path: Path, setting: str | None = None) -> RoutingData:
     """Read ``routing.parquet`` (a run directory or the file), one setting or all."""
-    path = path / ROUTING_FILE if path.is_dir() else path
+    path = path / store.ROUTING_FILE if path.is_dir() else path
     store.open_parquet(path, required=ROUTING_COLUMNS)
     meta = store.read_run_metadata(path).get("routing")
     if not meta:

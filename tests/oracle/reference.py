@@ -1,4 +1,4 @@
-"""The in-memory reference: the spec's formulas on dense padded ``[S, T]`` arrays.
+"""The test oracle: the spec's formulas on dense padded ``[S, T]`` arrays.
 
 A line-by-line numpy port of verl's ``rollout_corr_helper`` (same masked means, same order of
 operations), written independently of the streaming engine so that the tests and the bench can
@@ -11,83 +11,18 @@ Shared with the engine (definitions, not computations): the input rules of
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.accum import capped, exp_capped
-from mismatch_probe.metrics.batch import EPS, SAFETY_BOUND, normalize_logprobs
+from mismatch_probe.metrics.batch import EPS, SAFETY_BOUND
 from mismatch_probe.metrics.config import ISSpec, MetricsConfig, PresetSpec, RSSpec
 from mismatch_probe.metrics.stream import MetricsResult
+from tests.oracle.dense import Dense, clamp_b, make_dense, mmean, msum, std1
+from tests.oracle.diagnostics import diagnostic_curves, diagnostic_metrics
 
-
-@dataclass(frozen=True)
-class Dense:
-    """A padded batch. ``[S, T]`` arrays unless noted; ``r = train - rollout``."""
-
-    train: np.ndarray
-    rollout: np.ndarray
-    r: np.ndarray
-    m: np.ndarray  # float64 0/1
-    seq_ids: np.ndarray  # [S]
-    positions: np.ndarray
-    flip: np.ndarray | None
-    token_ids: np.ndarray | None
-
-    @property
-    def mb(self) -> np.ndarray:
-        return self.m > 0
-
-
-def msum(x: np.ndarray, m: np.ndarray, axis: int | None = None) -> np.ndarray:
-    return np.where(m > 0, x, 0.0).sum(axis=axis)
-
-
-def mmean(x: np.ndarray, m: np.ndarray, axis: int | None = None) -> np.ndarray:
-    """verl's ``masked_mean``: ``sum(x * m) / (sum(m) + 1e-8)``."""
-    return msum(x, m, axis) / (m.sum(axis=axis) + EPS)
-
-
-def clamp_b(x: np.ndarray) -> np.ndarray:
-    return np.clip(x, -SAFETY_BOUND, SAFETY_BOUND)
-
-
-def std1(x: np.ndarray) -> float:
-    return float(np.std(x, ddof=1)) if len(x) > 1 else 0.0
-
-
-def make_dense(
-    train: np.ndarray,
-    rollout: np.ndarray,
-    mask: np.ndarray,
-    seq_ids: np.ndarray | None = None,
-    positions: np.ndarray | None = None,
-    flip: np.ndarray | None = None,
-    token_ids: np.ndarray | None = None,
-) -> Dense:
-    """Validate shapes and apply the input rules (floor, NaN check) to ``[S, T]`` arrays."""
-    train, rollout, mask = np.asarray(train), np.asarray(rollout), np.asarray(mask)
-    for name, arr in (("rollout_lp", rollout), ("mask", mask)):
-        if arr.shape != train.shape:
-            raise ProbeError(f"train_lp shape {train.shape} differs from {name} shape {arr.shape}")
-    mb = mask.astype(bool)
-    if not mb.any():
-        raise ProbeError("no valid response token")
-    tr = normalize_logprobs(train, mb, "train_logprob")
-    ro = normalize_logprobs(rollout, mb, "rollout_logprob")
-    s, t = train.shape
-    return Dense(
-        train=tr,
-        rollout=ro,
-        r=tr - ro,
-        m=mb.astype(np.float64),
-        seq_ids=np.arange(s) if seq_ids is None else np.asarray(seq_ids),
-        positions=np.broadcast_to(np.arange(t), (s, t)) if positions is None else positions,
-        flip=None if flip is None else np.asarray(flip, dtype=bool),
-        token_ids=token_ids,
-    )
+__all__ = ["Dense", "make_dense", "reference_metrics", "to_table"]
 
 
 def is_weights(d: Dense, spec: ISSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -289,8 +224,6 @@ def to_table(d: Dense) -> pa.Table:
 
 def reference_metrics(d: Dense, config: MetricsConfig) -> MetricsResult:
     """Every metric of ``config`` on the dense batch ``d`` (same keys as ``compute_metrics``)."""
-    from mismatch_probe.metrics.reference_diag import diagnostic_curves, diagnostic_metrics
-
     valid = d.m.sum(-1) > 0
     out = {
         "num_tokens": float(d.m.sum()),

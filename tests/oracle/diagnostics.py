@@ -1,7 +1,8 @@
-"""The in-memory reference of our diagnostics and curves (see ``diagnostics.py``, ``curves.py``).
+"""The oracle of our diagnostics and curves (``metrics/diagnostics.py``, ``metrics/curves.py``).
 
 Dense ``[S, T]`` arrays, every valid token at once: histograms over the whole list, worst tokens
-by one full sort, the sequence sample by sorting every hash. Companion of ``reference.py``.
+by one full sort, the sequence sample by sorting every hash. Bins are computed here, by their
+definitions (not with the engine's helpers); shared with the engine are the constants only.
 """
 
 from __future__ import annotations
@@ -17,14 +18,42 @@ from mismatch_probe.metrics.curves import (
     LOG_RATIO_RANGE,
     POSITION_EDGES,
     PROB_EDGES,
+    PROB_HIST_BINS,
     SEQ_SAMPLE,
     WORST_TOKENS,
-    bin_index,
-    prob_hist2d,
-    seq_hash,
 )
 from mismatch_probe.metrics.diagnostics import IPO_EPS, SEQ_DP_LIMIT, SPEC_TAUS, TAU_GRID, f_tau_key
-from mismatch_probe.metrics.reference import Dense, clamp_b, mmean, msum
+from tests.oracle.dense import Dense, clamp_b, mmean, msum
+
+
+def bin_index(values: np.ndarray, edges: tuple[float, ...], open_last: bool) -> np.ndarray:
+    """Bin ``i`` holds ``edges[i] <= x < edges[i + 1]``; values below the first edge go to bin
+    0, the rest past the last bin to the last one (``open_last``: one more bin from the last
+    edge on). Counted edge by edge: the number of inner edges each value has reached."""
+    nbins = len(edges) if open_last else len(edges) - 1
+    reached = sum((values >= edge).astype(np.int64) for edge in edges[1:])
+    return np.minimum(reached, nbins - 1)
+
+
+def prob_hist2d(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``[B, B]`` counts over ``[0, 1]^2`` in ``B`` equal cells per axis, 1.0 in the last."""
+    nb = PROB_HIST_BINS
+    out = np.zeros((nb, nb), dtype=np.int64)
+    for a, b in zip(np.clip(x, 0.0, 1.0), np.clip(y, 0.0, 1.0), strict=True):
+        out[min(int(a * nb), nb - 1), min(int(b * nb), nb - 1)] += 1
+    return out
+
+
+def seq_hash(seq_id: np.ndarray) -> np.ndarray:
+    """splitmix64 (Steele et al.) of each id: the documented sampling key, written out."""
+    mask = (1 << 64) - 1
+    out = []
+    for value in seq_id.tolist():
+        z = (value + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return np.array(out, dtype=np.uint64)
 
 
 def _pearson(x: np.ndarray, y: np.ndarray) -> float:

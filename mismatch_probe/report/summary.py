@@ -1,16 +1,31 @@
 """The short summary printed at the end of ``probe scan``: key numbers, phase times, paths.
 
-The full terminal report lives with the reports stage; this is the scan's last word.
+The full terminal report (``terminal``) comes first; this is the scan's last word. It reads a
+scan's result through the ``ScanOutcome`` protocol (``records.ScanResult`` fits it), so the
+reports stage imports nothing from the scan above it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.table import Table
 
-from mismatch_probe.scan import ScanResult
+from mismatch_probe import store
+from mismatch_probe.report.routing import load, summary_lines
+
+
+class ScanOutcome(Protocol):
+    """What the summary shows of a scan."""
+
+    out_dir: Path
+    paths: dict[str, Path]
+    run: dict[str, Any]  # run.json
+    settings: dict[str, dict[str, float]]  # setting name -> flat metrics
+    skipped: dict[str, str]  # rollout setting name -> reason
+
 
 # (metric key, column header, format) in display order.
 KEY_METRICS: tuple[tuple[str, str, str], ...] = (
@@ -38,7 +53,7 @@ PHASES = (
 )
 
 
-def render_summary(result: ScanResult, console: Console) -> None:
+def render_summary(result: ScanOutcome, console: Console) -> None:
     """Print the settings (least mismatch first), skips, recommendation, times and paths."""
     run = result.run
     sampling = run["sampling"]
@@ -57,8 +72,6 @@ def render_summary(result: ScanResult, console: Console) -> None:
             f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
             highlight=False,
         )
-    from mismatch_probe.routing.report import load, summary_lines
-
     for line in summary_lines(load(result.out_dir)):
         console.print(line, highlight=False)
     console.print(_timings_line(run["timings"]), highlight=False)
@@ -66,7 +79,7 @@ def render_summary(result: ScanResult, console: Console) -> None:
         if not name.startswith("plot_"):
             console.print(f"  {name:<10} {path}", highlight=False, soft_wrap=True)
     if any(name.startswith("plot_") for name in result.paths):
-        console.print(f"  {'plots':<10} {result.out_dir / 'plots'}/", highlight=False)
+        console.print(f"  {'plots':<10} {result.out_dir / store.PLOTS_DIR}/", highlight=False)
 
 
 def settings_table(ranked: list[tuple[str, dict[str, Any]]]) -> Table:

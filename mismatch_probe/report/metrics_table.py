@@ -9,11 +9,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from mismatch_probe.metrics.stream import MetricsResult
+from mismatch_probe.metrics import PRESET_COLUMNS, PRESET_PREFIX, MetricsResult
 
 MIN_WIDTH = 40  # every section table at least this wide, and never narrower than its title
-PRESET_PREFIX = "presets/"
-PRESET_COLUMNS = ("token_masked_fraction", "seq_masked_fraction", "eff_sample_size")
 # (title, key prefixes); a key goes to the first section with a matching prefix.
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Data", ("num_",)),

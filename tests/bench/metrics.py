@@ -72,7 +72,7 @@ def _measure(kind: str, path: str) -> dict[str, Any]:
     if kind == "naive_torch":
         import torch
 
-        from mismatch_probe.metrics.naive_torch import naive_torch_metrics
+        from tests.bench.naive_torch import naive_torch_metrics
 
         torch.set_num_threads(2)
     baseline = _peak_rss_kb()

@@ -1,4 +1,4 @@
-"""Run the benchmarks: ``python -m mismatch_probe.bench [rescoring] [scan] [metrics]``."""
+"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics]``."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ OUT_DIR = Path("reports/bench")
 
 
 def _rescoring() -> dict[str, Any]:
-    from mismatch_probe.bench.rescoring import bench_rescoring
+    from tests.bench.rescoring import bench_rescoring
 
     return bench_rescoring()
 
 
 def _scan() -> dict[str, Any]:
-    from mismatch_probe.bench.scan import bench_scan
+    from tests.bench.scan import bench_scan
 
     return bench_scan()
 
 
 def _metrics() -> dict[str, Any]:
-    from mismatch_probe.bench.metrics import bench_metrics
+    from tests.bench.metrics import bench_metrics
 
     return bench_metrics()
 

@@ -1,0 +1,1 @@
+"""Dense in-memory oracles of the metric engine (tests only; not installed)."""

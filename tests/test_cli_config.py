@@ -1,0 +1,102 @@
+"""``probe scan`` options -> ``ScanConfig``, value by value, without starting an engine.
+
+The CLI takes its defaults and validation from the config dataclasses: with no option the
+config equals ``ScanConfig()``, and every option lands in its field. ``run_scan`` is replaced by
+a recorder (a unit test of the thin layer; the end-to-end scan is in ``test_scan_cli.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mismatch_probe import cli, scan
+from mismatch_probe.config import ScanConfig
+from mismatch_probe.metrics import MetricsConfig
+from mismatch_probe.sampling import SamplingSpec
+
+
+class Recorded(Exception):
+    """Raised by the recorder so the command stops before rendering."""
+
+
+def scan_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> ScanConfig:
+    seen: list[ScanConfig] = []
+
+    def record(cfg: ScanConfig, console: Any) -> None:
+        seen.append(cfg)
+        raise Recorded
+
+    monkeypatch.setattr(scan, "run_scan", record)
+    monkeypatch.setattr(sys, "argv", ["probe", "scan", *args])
+    with pytest.raises(Recorded):
+        cli.main()
+    return seen[0]
+
+
+def test_no_option_gives_the_library_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert scan_config([], monkeypatch) == ScanConfig()
+    assert ScanConfig().sampling == SamplingSpec()  # one default max_tokens for both
+
+
+def test_every_option_lands_in_its_field(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    args = [
+        "--model", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.jsonl"),
+        "--num-prompts", "5", "--samples-per-prompt", "2", "--max-tokens", "17",
+        "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--seed", "3",
+        "--logprobs-mode", "raw", "--rollout-dtype", "bfloat16,float16",
+        "--train-dtype", "float32,bfloat16", "--kv-cache-dtype", "auto,fp8",
+        "--quantization", "none", "--lm-head-fp32", "off,on", "--routing-replay", "none",
+        "--same-tokens", "--strict", "--no-chat", "--out", str(tmp_path / "out"),
+        "--vllm-arg", "max_num_seqs=4", "--vllm-arg", "enforce_eager=true",
+        "--batch-tokens", "512", "--flip-eps", "0.001",
+    ]  # fmt: skip
+    cfg = scan_config(args, monkeypatch)
+    assert cfg.model == tmp_path / "m"
+    assert cfg.prompts == tmp_path / "p.jsonl"
+    assert cfg.num_prompts == 5
+    assert cfg.samples_per_prompt == 2
+    assert cfg.sampling == SamplingSpec(
+        temperature=0.7, top_p=0.9, top_k=20, max_tokens=17, seed=3, logprobs_mode="raw"
+    )
+    assert cfg.rollout_dtypes == ("bfloat16", "float16")
+    assert cfg.train_dtypes == ("float32", "bfloat16")
+    assert cfg.kv_cache_dtypes == ("auto", "fp8")
+    assert cfg.quantizations == ("none",)
+    assert cfg.lm_head_fp32 == (False, True)
+    assert cfg.routing_replay == ("none",)
+    assert (cfg.same_tokens, cfg.strict, cfg.chat) == (True, True, False)
+    assert cfg.out == tmp_path / "out"
+    assert cfg.vllm_args == {"max_num_seqs": 4, "enforce_eager": True}
+    assert (cfg.batch_tokens, cfg.flip_eps) == (512, 0.001)
+
+
+def test_the_metric_options_are_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``probe metrics`` and ``probe report`` take the same options, built into one config."""
+    seen: list[MetricsConfig] = []
+    monkeypatch.setattr(
+        "mismatch_probe.report.load_report", lambda run_dir, cfg: seen.append(cfg) or 1 / 0
+    )
+    monkeypatch.setattr("mismatch_probe.metrics.compute_metrics", lambda p, cfg, setting: 1 / 0)
+    args = ["--rollout-is", "sequence", "--rollout-is-threshold", "0.5_5.0", "--rollout-rs",
+            "token_k1", "--rollout-rs-threshold", "0.5_2.0", "--batch-normalize",
+            "--preset", "token_is", "--preset", "k3_rs"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["probe", "report", "run", *args])
+    with pytest.raises(ZeroDivisionError):
+        cli.main()
+    assert seen == [
+        MetricsConfig(
+            rollout_is="sequence",
+            rollout_is_threshold="0.5_5.0",
+            rollout_rs="token_k1",
+            rollout_rs_threshold="0.5_2.0",
+            batch_normalize=True,
+            presets=("token_is", "k3_rs"),
+        )
+    ]
+    names = {p.name for p in cli.typer.main.get_command(cli.app).commands["metrics"].params}
+    report = {p.name for p in cli.typer.main.get_command(cli.app).commands["report"].params}
+    assert report - {"run_dir"} <= names
