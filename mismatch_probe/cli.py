@@ -8,7 +8,6 @@ library functions, so ``probe --help`` answers at once.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -97,7 +96,6 @@ def _stdout_console() -> Console:
 
 def main() -> None:
     """Console-script entry point: run the app, turning ``ProbeError`` into exit code 2."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local paths; never a hub
     try:
         code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
     except ProbeError as exc:

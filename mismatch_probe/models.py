@@ -67,7 +67,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
     if not gguf.is_file():
         raise ProbeError(f"no such GGUF file: {gguf}")
-    kwargs: dict[str, Any] = {"gguf_file": gguf.name}
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     config = quantized.config

@@ -55,7 +55,7 @@ def load_model(path: Path, dtype: str) -> Any:
     device_map = "cuda" if torch.cuda.is_available() else None
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), device_map=device_map
+            path, dtype=getattr(torch, dtype), device_map=device_map, local_files_only=True
         )
     except (OSError, ValueError) as exc:
         reason = " ".join(str(exc).split())

@@ -61,8 +61,8 @@ def prepare(cfg: ScanConfig) -> Prepared:
 
     model_dir = models.resolve_model(cfg.model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         reason = " ".join(str(exc).split())[:300]
         raise ProbeError(f"transformers could not load {model_dir}: {reason}") from None
