@@ -3,13 +3,15 @@
 Public API::
 
     from mismatch_probe.report import write_report, render_terminal
-    paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md
+    paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md, report.html
     render_terminal(run_dir, Console())    # the terminal report
 
 Module map: ``context`` (load a run directory), ``verdicts`` (health checks as a table),
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
-(matplotlib PNGs), ``markdown`` (report.md), ``compare`` (several runs side by side),
-``check`` (bounds for CI). The reports read only the run directory: no model, no tokenizer.
+(matplotlib PNGs), ``markdown`` (report.md), ``html`` (report.html from the Markdown),
+``comment`` (the pull-request comment), ``compare`` (several runs side by side),
+``check`` (bounds for CI), ``baseline`` and ``bootstrap`` (the gate against a baseline run).
+The reports read only the run directory: no model, no tokenizer.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ def load_report(
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
-    """Write ``metrics.json``, ``plots/<name>.png`` and ``report.md`` of a loaded run; with
+    """Write ``metrics.json``, ``plots/<name>.png``, ``report.md`` and ``report.html`` (the same
+    report in one self-contained file) of a loaded run; with
     ``entries`` (the settings of a matrix run) the report ends with them side by side.
 
     Returns:
-        ``{"metrics": ..., "report": ..., "plot_<name>": ...}`` paths.
+        ``{"metrics": ..., "report": ..., "html": ..., "plot_<name>": ...}`` paths.
     """
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
@@ -75,6 +78,10 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     routing = routing_markdown(ctx.run_dir)
     text += "\n" + routing if routing else ""
     store.write_text(paths["report"], text)
+    from mismatch_probe.report.html import write_html
+
+    model = ctx.run.get("model", {}).get("name", ctx.label)
+    paths["html"] = write_html(text, paths["report"], f"Mismatch report: {model}")
     return {**paths, **{f"plot_{name}": path for name, (path, _) in plots.items()}}
 
 

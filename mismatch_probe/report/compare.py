@@ -103,10 +103,14 @@ def _short(value: Any, width: int = 24) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1) :]
 
 
-def run_differences(labels: list[str], runs: list[dict[str, Any]]) -> list[str]:
-    """One line per ``IDENTITY`` field whose value is not the same in every run."""
+def run_differences(
+    labels: list[str],
+    runs: list[dict[str, Any]],
+    fields: tuple[tuple[str, tuple[str, ...]], ...] = IDENTITY,
+) -> list[str]:
+    """One line per field of ``fields`` whose value is not the same in every run."""
     lines = []
-    for what, path in IDENTITY:
+    for what, path in fields:
         values = [_lookup(run, path) for run in runs]
         if len({repr(v) for v in values}) > 1:
             pairs = zip(labels, values, strict=True)
@@ -226,8 +230,14 @@ def comparison_markdown(
 
 
 def write_comparison(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
-    """Write the overlaid plots and ``compare.md`` into ``out_dir``; returns their paths."""
+    """Write the overlaid plots, ``compare.md`` and ``compare.html`` into ``out_dir``; returns
+    their paths."""
     plots = overlay_plots(list(comparison.entries), out_dir)
     report = out_dir / COMPARE_FILE
-    report.write_text(comparison_markdown(comparison, plots, out_dir))
-    return {"report": report, **{f"plot_{name}": path for name, (path, _) in plots.items()}}
+    text = comparison_markdown(comparison, plots, out_dir)
+    report.write_text(text)
+    from mismatch_probe.report.html import write_html
+
+    html = write_html(text, report, "Mismatch comparison")
+    plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
+    return {"report": report, "html": html, **plot_paths}
