@@ -15,7 +15,13 @@ import pytest
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.report import bootstrap
-from mismatch_probe.report.baseline import Increase, IncreaseResult, parse_increase, run_gate
+from mismatch_probe.report.baseline import (
+    Increase,
+    IncreaseResult,
+    differences,
+    parse_increase,
+    run_gate,
+)
 from tests.test_report_check import run_main
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 
@@ -195,6 +201,18 @@ def test_runs_that_measure_different_things_exit_2(
     code, out = run_main([*base, "--allow-different"], monkeypatch, capsys)
     assert code == 0
     assert out.splitlines()[1] == "⚠ model config differs (head: def; baseline: abc)"
+
+
+def test_what_one_run_does_not_record_is_not_compared() -> None:
+    """A baseline scanned by an older version has no prompts hash: the file names are
+    compared instead (not their directories, which differ between two checkouts)."""
+    head = {"model": {"config_sha256": "a"}, "prompts": {"path": "/pr/p.jsonl", "sha256": "h"}}
+    base: dict[str, Any] = {"model": {"config_sha256": "a"}, "prompts": {"path": "/main/p.jsonl"}}
+    assert differences(head, base) == []
+    base["prompts"]["path"] = "/main/q.jsonl"
+    assert differences(head, base) == ["prompts file differs (head: p.jsonl; baseline: q.jsonl)"]
+    base["prompts"]["sha256"] = "h"
+    assert differences(head, base) == []  # the same prompts, whatever the files are called
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from rich.console import Console
@@ -37,13 +37,16 @@ from mismatch_probe.report.check import (
     parse_bounds,
     result_line,
 )
-from mismatch_probe.report.compare import run_differences
+from mismatch_probe.report.compare import _lookup, _short
 from mismatch_probe.report.context import RunContext, load_run
 
-# What two runs must share to be gated against each other: (what, path in run.json).
+# What two runs must share to be gated against each other: (what, path in run.json). A field
+# one of the runs does not record (a run of an older version) is not compared; the prompts file
+# is compared by name, and only when the runs do not both record the prompts' hash.
 COMPARABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model config", ("model", "config_sha256")),
     ("prompts", ("prompts", "sha256")),
+    ("prompts file", ("prompts", "path")),
     ("prompt count", ("prompts", "count")),
     ("chat template", ("prompts", "chat")),
     ("samples per prompt", ("config", "samples_per_prompt")),
@@ -103,18 +106,34 @@ def parse_increase(spec: str) -> Increase:
     return Increase(name, kind, amount)
 
 
+def differences(head: dict[str, Any], base: dict[str, Any]) -> list[str]:
+    """One line per ``COMPARABLE`` field recorded by both runs with different values."""
+    hashed = all(_lookup(run, ("prompts", "sha256")) is not None for run in (head, base))
+    lines = []
+    for what, path in COMPARABLE:
+        values = [_lookup(run, path) for run in (head, base)]
+        if what == "prompts file":
+            if hashed:
+                continue
+            values = [None if v is None else PurePath(str(v)).name for v in values]
+        if None not in values and values[0] != values[1]:
+            lines.append(
+                f"{what} differs (head: {_short(values[0])}; baseline: {_short(values[1])})"
+            )
+    return lines
+
+
 def check_comparable(head: RunContext, base: RunContext, allow_different: bool) -> tuple[str, ...]:
-    """What differs between the runs (one line per ``COMPARABLE`` field); a ``ProbeError``
-    when something does and ``allow_different`` is off."""
-    labels = ["head", "baseline"]
-    differences = tuple(run_differences(labels, [head.run, base.run], COMPARABLE))
-    if differences and not allow_different:
+    """What differs between the runs (``differences``); a ``ProbeError`` when something does
+    and ``allow_different`` is off."""
+    found = tuple(differences(head.run, base.run))
+    if found and not allow_different:
         raise ProbeError(
             "the runs are not comparable: "
-            + "; ".join(differences)
+            + "; ".join(found)
             + " (--allow-different to gate them anyway)"
         )
-    return differences
+    return found
 
 
 @dataclass(frozen=True)

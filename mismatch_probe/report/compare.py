@@ -103,14 +103,10 @@ def _short(value: Any, width: int = 24) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1) :]
 
 
-def run_differences(
-    labels: list[str],
-    runs: list[dict[str, Any]],
-    fields: tuple[tuple[str, tuple[str, ...]], ...] = IDENTITY,
-) -> list[str]:
-    """One line per field of ``fields`` whose value is not the same in every run."""
+def run_differences(labels: list[str], runs: list[dict[str, Any]]) -> list[str]:
+    """One line per ``IDENTITY`` field whose value is not the same in every run."""
     lines = []
-    for what, path in fields:
+    for what, path in IDENTITY:
         values = [_lookup(run, path) for run in runs]
         if len({repr(v) for v in values}) > 1:
             pairs = zip(labels, values, strict=True)
