@@ -139,14 +139,16 @@ def test_a_part_that_does_not_fit_is_left_out_with_a_note() -> None:
 @pytest.mark.parametrize(
     ("key", "base", "value", "cell"),
     [
-        ("k3_kl", 0.01, 0.015, "↑ +50.0% 🔴 worse"),
-        ("k3_kl", 0.02, 0.015, "↓ -25.0% 🟢 better"),
-        ("prob_pearson", 0.9, 0.99, "↑ +10.0% 🟢 better"),
-        ("kl", -0.01, -0.03, "↓ -200.0% 🔴 worse"),  # further from 0
-        ("kl", -0.03, 0.01, "↑ +133.3% 🟢 better"),  # closer to 0
-        ("num_tokens", 10.0, 20.0, "↑ +100.0%"),  # a count: no better or worse
+        ("k3_kl", 0.01, 0.015, "↑ +50% 🔴 worse"),
+        ("k3_kl", 0.02, 0.015, "↓ -25% 🟢 better"),
+        ("prob_pearson", 0.9, 0.99, "↑ +10% 🟢 better"),
+        ("kl", -0.01, -0.03, "↓ -200% 🔴 worse"),  # further from 0
+        ("kl", -0.03, 0.01, "↑ +133% 🟢 better"),  # closer to 0
+        ("num_tokens", 10.0, 20.0, "↑ +100%"),  # a count: no better or worse
         ("f_tau_2", 0.0, 0.002, "↑ +0.002 🔴 worse"),  # from 0: the absolute change
         ("k3_kl", 0.01, 0.01, "= no change"),
+        ("rollout_is_eff_sample_size", 1.0, 1.0 - 1e-9, "= no change"),  # equal as shown
+        ("k3_kl", 0.01, 0.0100001, "↑ +0.001% 🔴 worse"),
         ("k3_kl", None, 0.01, "—"),
     ],
 )
@@ -171,10 +173,10 @@ def test_comparison_comment_shows_the_change_with_arrows(pair: list[Path]) -> No
     key = next(t for t in tables(tokens) if t[0][0] == "metric")
     assert key[0] == ["metric", "main (baseline)", "pr", "change vs main"]
     rows = {r[0]: r[1:] for r in key[1:]}
-    assert rows["num_tokens"] == ["10", "20", "↑ +100.0%"]
+    assert rows["num_tokens"] == ["10", "20", "↑ +100%"]
     growth = k3(0.03) / k3(0.01) - 1.0  # hand-computed: every token has r = 0.01 vs 0.03
-    assert rows["k3_kl"][2] == f"↑ {growth:+.1%} 🔴 worse"
-    assert rows["kl"][2] == "↓ -200.0% 🔴 worse"  # kl = -r: -0.01 -> -0.03
+    assert rows["k3_kl"][2] == f"↑ {100 * growth:+.3g}% 🔴 worse"
+    assert rows["kl"][2] == "↓ -200% 🔴 worse"  # kl = -r: -0.01 -> -0.03
     verdicts = next(t for t in tables(tokens) if t[0][0] == "check")
     assert verdicts[0][-2:] == ["main (baseline)", "pr"]
     assert all(re.fullmatch(r"(✅|❌|➖) \S+( computed)?", c) for r in verdicts[1:] for c in r[-2:])

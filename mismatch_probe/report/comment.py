@@ -85,13 +85,13 @@ def worse(key: str, base: float, value: float) -> bool | None:
 
 def change_cell(key: str, base: float | None, value: float | None) -> str:
     """``↑ +35.2% 🔴 worse``: direction, relative change (absolute when the base is 0), and
-    whether that is better or worse."""
+    whether that is better or worse; ``= no change`` when the table shows the same number."""
     if base is None or value is None:
         return "—"
-    if value == base:
+    if num(key, value) == num(key, base):  # equal as far as the table shows them
         return "= no change"
     delta = value - base
-    amount = f"{delta / abs(base):+.1%}" if base else f"{delta:+.3g}"
+    amount = f"{100 * delta / abs(base):+.3g}%" if base else f"{delta:+.3g}"
     arrow = "↑" if delta > 0 else "↓"
     verdict = {True: " 🔴 worse", False: " 🟢 better", None: ""}[worse(key, base, value)]
     return f"{arrow} {amount}{verdict}"
@@ -156,7 +156,7 @@ def fit(parts: list[tuple[str, list[str]]], limit: int = COMMENT_LIMIT) -> str:
 
 def _header(ctx: RunContext, title: str) -> list[str]:
     m = ctx.metrics
-    facts = f"`{escape(ctx.label)}` · {m.get('num_tokens', 0):,.0f} response tokens"
+    facts = f"{escape(ctx.label)} · {m.get('num_tokens', 0):,.0f} response tokens"
     return [f"### {title}", "", facts + f" · {m.get('num_sequences', 0):,.0f} responses", ""]
 
 
