@@ -314,3 +314,26 @@ def test_an_overflowing_term_gets_no_interval(tmp_path: Path) -> None:
     r[0] = 800.0  # exp(800) overflows float64: k3_kl is capped and flagged, no interval
     stats = bootstrap.sequence_stats(per_sequence_run(tmp_path / "run", r))
     assert not stats.usable("k3_kl") and stats.usable("chi2_token")
+
+
+def test_one_setting_of_a_matrix_store(tmp_path: Path) -> None:
+    """A store holding several settings: the sums cover the chosen setting's rows only."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from mismatch_probe import store
+    from mismatch_probe.metrics import compute_metrics
+    from tests.test_report_fixtures import token_table, uniform_seqs
+
+    first = token_table(uniform_seqs(0.01, [4, 6]), "fp16")
+    second = token_table(uniform_seqs(0.05, [5, 3, 2]), "bf16")
+    second = second.set_column(1, "seq_id", pc.add(second.column("seq_id"), 10))
+    (tmp_path / "m").mkdir()
+    path = tmp_path / "m" / store.TOKENS_FILE
+    store.write_table(path, pa.concat_tables([first, second]), store.TOKEN_SCHEMA, {})
+    for setting, ids in (("fp16", [0, 1]), ("bf16", [10, 11, 12])):
+        stats = bootstrap.sequence_stats(tmp_path / "m", setting)
+        assert stats.seq_id.tolist() == ids
+        expected = compute_metrics(path, setting=setting).scalars
+        for metric in bootstrap.TERMS:
+            assert stats.value(metric) == pytest.approx(expected[metric], rel=1e-12)

@@ -198,6 +198,13 @@ def test_report_in_chromium(rendered, browser: Browser) -> None:
     assert facts["h2"] == [line[3:] for line in markdown.splitlines() if line.startswith("## ")]
     assert "<img src=x onerror=alert(1)>" in facts["text"]  # model text shown, as text
     assert facts["width"] <= 1366  # no horizontal scrolling on a laptop screen
+    folded = "document.querySelector('details table').checkVisibility()"
+    assert browser.evaluate(folded) is False  # every metric: folded on screen ...
+    browser.call("Emulation.setEmulatedMedia", session=True, media="print")
+    try:
+        assert browser.evaluate(folded) is True  # ... and printed
+    finally:
+        browser.call("Emulation.setEmulatedMedia", session=True, media="")
     shot = browser.screenshot(run / "report-screenshot.png")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert browser.pdf(run / "report.pdf").read_bytes()[:5] == b"%PDF-"

@@ -7,9 +7,10 @@ HTML with no second renderer to keep in step. What this module adds:
 * each ``![title](plots/x.png)`` becomes an ``<img>`` whose ``src`` is the PNG as a base64
   ``data:`` URI (only PNG files inside the report's directory; anything else is shown as a
   "plot missing" note, never fetched);
-* raw HTML in the Markdown passes only when it is one of ``ALLOWED_TAGS`` (the ``<b>``,
-  ``<details>``, ``<summary>`` markup the Markdown renderers write); any other tag is shown as
-  text. Model text is already entity-escaped by ``markdown.escape``: this is a second fence;
+* raw HTML in the Markdown passes only when it is one of ``ALLOWED_TAGS`` (``<b>``,
+  ``<details>``, ``<summary>`` and a few more plain tags, no attributes); any other tag is shown
+  as text (a section that needs another tag adds it there). Model text is already
+  entity-escaped by ``markdown.escape``: this is a second fence;
 * control characters (C0/C1 except newline and tab) and bidi overrides that reach the HTML are
   shown as visible symbols (``sections.visible``), so they can neither break the file nor reorder
   what is displayed;
@@ -31,8 +32,10 @@ from mismatch_probe import store
 from mismatch_probe.report.sections import visible
 
 ALLOWED_TAGS = frozenset(
-    ("<b>", "</b>", "<details>", "</details>", "<summary>", "</summary>", "<sub>", "</sub>")
-)
+    f"<{slash}{tag}>"
+    for tag in ("b", "i", "code", "sub", "sup", "details", "summary")
+    for slash in ("", "/")
+) | {"<br>"}
 CSP = (
     "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; "
     "form-action 'none'"
