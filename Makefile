@@ -1,7 +1,8 @@
 # mismatch_probe: two commands set everything up on a fresh machine.
 #   make demo   create .venv, install, prepare the default model, run `probe scan`
 #               (then a precision comparison: bf16/fp16/fp32 rollouts x KV cache auto/fp8)
-#   make test   the same install (idempotent), then the whole test suite
+#   make test   the same install (idempotent), Debian's chromium for the browser test of
+#               report.html (apt-get, only when missing), then the whole test suite
 #   make bench  benchmarks (numbers written under reports/bench/)
 #   make lint   ruff and mypy
 
@@ -11,7 +12,7 @@ BIN    := $(VENV)/bin
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install demo test bench lint clean
+.PHONY: install browser demo test bench lint clean
 
 install: $(STAMP)
 
@@ -33,8 +34,16 @@ demo: install
 	$(BIN)/probe scan --out reports/demo-precision --num-prompts 16 --max-tokens 64 \
 	    --rollout-dtype bfloat16,float16,float32 --kv-cache-dtype auto,fp8
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest -q
+
+# Headless Chromium for tests/test_report_html.py; where it cannot be installed (no root, no apt)
+# that test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium fonts-dejavu-core >/dev/null; } || \
+	  echo "chromium could not be installed: the browser test of report.html will be skipped"
 
 bench: install
 	$(BIN)/python -m tests.bench

@@ -19,15 +19,19 @@ from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
+    AllowDifferentOpt,
+    BaselineOpt,
     BatchTokensOpt,
     ChatOpt,
     CompareOutOpt,
     FlipEpsOpt,
+    FormatOpt,
     JsonOpt,
     KvCacheDtypeOpt,
     LmHeadFp32Opt,
     LogprobsModeOpt,
     MaxBoundOpt,
+    MaxIncreaseOpt,
     MaxTokensOpt,
     MinBoundOpt,
     ModelOpt,
@@ -42,6 +46,7 @@ from mismatch_probe.options import (
     SamplesOpt,
     SeedOpt,
     SettingOpt,
+    SignificanceOpt,
     StrictOpt,
     TemperatureOpt,
     TopKOpt,
@@ -125,15 +130,20 @@ def _print_paths(console: Console, paths: dict[str, Path]) -> None:
 
 @app.command()
 @metric_options
-def report(run_dir: RunDirArg, metrics_config: MetricsConfig) -> None:
-    """Re-render a run's terminal report, plots, report.md and metrics.json from its files.
+def report(run_dir: RunDirArg, metrics_config: MetricsConfig, fmt: FormatOpt = "terminal") -> None:
+    """Re-render a run's terminal report, plots, report.md, report.html and metrics.json.
 
     No model is needed; metrics are recomputed when the options differ from metrics.json's.
     """
     from mismatch_probe.report import load_report, render, write_outputs
+    from mismatch_probe.report.comment import check_format, run_comment
 
+    check_format(fmt)
     ctx, entries = load_report(run_dir, metrics_config)
     paths = write_outputs(ctx, entries)
+    if fmt == "pr-comment":
+        print(run_comment(ctx), end="")
+        return
     console = _stdout_console()
     render(ctx, entries, console)
     _print_paths(console, paths)
@@ -145,11 +155,13 @@ def compare(
         list[Path], typer.Argument(help="Run directories; ratios are to the first one.")
     ],
     out: CompareOutOpt = None,
+    fmt: FormatOpt = "terminal",
 ) -> None:
-    """Compare runs: key metrics with ratios to the first run, overlaid plots, compare.md.
+    """Compare runs: key metrics with ratios to the first run, overlaid plots, compare.md/.html.
 
     Warns when the runs differ in model, prompts or sampling.
     """
+    from mismatch_probe.report.comment import check_format, comparison_comment
     from mismatch_probe.report.compare import (
         default_out_dir,
         load_comparison,
@@ -157,21 +169,42 @@ def compare(
         write_comparison,
     )
 
+    check_format(fmt)
     comparison = load_comparison(run_dirs)
     paths = write_comparison(comparison, out or default_out_dir())
+    if fmt == "pr-comment":
+        print(comparison_comment(comparison), end="")
+        return
     console = _stdout_console()
     render_comparison(comparison, console)
     _print_paths(console, paths)
 
 
 @app.command()
-def check(run_dir: RunDirArg, max_bound: MaxBoundOpt = None, min_bound: MinBoundOpt = None) -> None:
-    """Check metric bounds (for CI): exit 0 when all hold, 1 when any fails, 2 on bad usage."""
-    from mismatch_probe.report.check import check_run, parse_bounds, render_check
+def check(
+    run_dir: RunDirArg,
+    max_bound: MaxBoundOpt = None,
+    min_bound: MinBoundOpt = None,
+    baseline: BaselineOpt = None,
+    max_increase: MaxIncreaseOpt = None,
+    significance: SignificanceOpt = 0.95,
+    allow_different: AllowDifferentOpt = False,
+) -> None:
+    """Check metric bounds, and growth over a baseline run (for CI): exit 0 when all hold,
+    1 when any fails, 2 on bad usage or runs that are not comparable."""
+    from mismatch_probe.report.baseline import render_gate, run_gate
 
-    results = check_run(run_dir, parse_bounds(max_bound or [], min_bound or []))
-    render_check(results, _stdout_console())
-    if not all(r.passed for r in results):
+    gate = run_gate(
+        run_dir,
+        max_bound or [],
+        min_bound or [],
+        baseline,
+        max_increase or [],
+        significance,
+        allow_different,
+    )
+    render_gate(gate, _stdout_console())
+    if not gate.passed:
         raise typer.Exit(1)
 
 

@@ -80,6 +80,15 @@ CompareOutOpt = Annotated[
     ),
 ]
 
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="What to print: terminal (tables) or pr-comment (GitHub Markdown for a pull "
+        "request, no images, under 60,000 characters). The files are written either way.",
+    ),
+]
+
 MaxBoundOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -92,6 +101,41 @@ MinBoundOpt = Annotated[
     typer.Option(
         "--min",
         help="METRIC=VALUE: fail when METRIC is below VALUE, e.g. prob_pearson=0.99; repeatable.",
+    ),
+]
+
+BaselineOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--baseline",
+        help="Baseline run directory (e.g. the scan of the main branch) for --max-increase.",
+    ),
+]
+
+MaxIncreaseOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--max-increase",
+        help="METRIC=FACTORx or METRIC=+AMOUNT: fail when METRIC grew past FACTOR times (or "
+        "AMOUNT above) the baseline's, e.g. k3_kl=1.5x, f_tau_2=+0.001; repeatable.",
+    ),
+]
+
+SignificanceOpt = Annotated[
+    float,
+    typer.Option(
+        "--significance",
+        help="Confidence level of the bootstrap intervals (k3_kl, chi2_token): an increase "
+        "fails only when its whole interval is past the limit.",
+    ),
+]
+
+AllowDifferentOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-different",
+        help="Gate against a baseline that differs in model config, prompts or sampling "
+        "(otherwise exit 2 saying what differs).",
     ),
 ]
 

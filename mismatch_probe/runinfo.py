@@ -4,6 +4,8 @@ the model and the hash of its config, library versions, hardware and timings."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import platform
 from typing import TYPE_CHECKING, Any
 
@@ -37,11 +39,23 @@ def run_metadata(
             "name": prep.model_dir.name,
             "config_sha256": models.config_hash(prep.model_dir),
         },
-        "prompts": {"path": str(prep.prompts_path), "count": len(prep.prompts), "chat": prep.chat},
+        "prompts": {
+            "path": str(prep.prompts_path),
+            "count": len(prep.prompts),
+            "chat": prep.chat,
+            "sha256": prompts_hash(prep),
+        },
         "versions": library_versions(),
         "hardware": hardware(),
         "timings": dict(timings),
     }
+
+
+def prompts_hash(prep: Prepared) -> str:
+    """sha256 of the prompt token ids the engine saw (file, count, chat template, tokenizer
+    together): two runs with the same hash asked the same questions."""
+    ids = [list(p.token_ids) for p in prep.prompts]
+    return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
 
 
 def _logprob_source(cfg: ScanConfig) -> str:

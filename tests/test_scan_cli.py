@@ -193,3 +193,13 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["num_tokens"] == tokens.num_rows
     assert metrics["k3_kl"] < 1e-6  # fp32 vs fp32: the identity
+
+    # The one-file report, and the baseline gate on a real run.json (a run against itself).
+    html = (out / "report.html").read_text()
+    assert str(out / "report.html") in proc.stdout
+    assert html.count('src="data:image/png;base64,') == 6 and "<script" not in html
+    assert len(run["prompts"]["sha256"]) == 64
+    gate = [str(probe), "check", str(out), "--baseline", str(out), "--max-increase", "k3_kl=1x"]
+    checked = subprocess.run(gate, capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.splitlines()[-1] == "all bounds hold"

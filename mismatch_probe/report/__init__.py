@@ -3,16 +3,18 @@
 Public API::
 
     from mismatch_probe.report import write_report, render_terminal
-    paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md
+    paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md, report.html
     render_terminal(run_dir, Console())    # the terminal report
 
 Module map: ``context`` (load a run directory), ``verdicts`` (health checks as a table),
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
-(matplotlib PNGs), ``markdown`` (report.md), ``settings`` (a matrix run's settings side by
-side), ``routing`` (the MoE section and plots, from routing.json), ``compare`` (several runs
-side by side), ``check`` (bounds for CI), ``metrics_table`` (``probe metrics``' tables),
-``summary`` (the scan's last word). This is the only package that renders (rich tables,
-Markdown, matplotlib). The reports read only the run directory: no model, no tokenizer.
+(matplotlib PNGs), ``markdown`` (report.md), ``html`` (report.html from the Markdown),
+``comment`` (the pull-request comment), ``settings`` (a matrix run's settings side by side),
+``routing`` (the MoE section and plots, from routing.json), ``compare`` (several runs side by
+side), ``check`` (bounds for CI), ``baseline`` and ``bootstrap`` (the gate against a baseline
+run), ``metrics_table`` (``probe metrics``' tables), ``summary`` (the scan's last word). This is
+the only package that renders (rich tables, Markdown, HTML, matplotlib). The reports read only
+the run directory: no model, no tokenizer.
 """
 
 from __future__ import annotations
@@ -65,12 +67,12 @@ def load_report(
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
-    """Write ``metrics.json``, ``plots/<name>.png`` (the routing plots too, for an MoE run) and
-    ``report.md`` of a loaded run; with ``entries`` (the settings of a matrix run) the report
-    ends with them side by side.
+    """Write ``metrics.json``, ``plots/<name>.png`` (the routing plots too, for an MoE run),
+    ``report.md`` and ``report.html`` (the same report in one self-contained file) of a loaded
+    run; with ``entries`` (the settings of a matrix run) the report ends with them side by side.
 
     Returns:
-        ``{"metrics": ..., "report": ..., "plot_<name>": ...}`` paths.
+        ``{"metrics": ..., "report": ..., "html": ..., "plot_<name>": ...}`` paths.
     """
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
@@ -88,7 +90,12 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     routing = routing_markdown(run_dir)
     text += "\n" + routing if routing else ""
     store.write_text(paths["report"], text)
-    return {**paths, **{f"plot_{name}": path for name, (path, _) in plots.items()}, **routing_plots}
+    from mismatch_probe.report.html import write_html
+
+    model = ctx.run.get("model", {}).get("name", ctx.label)
+    paths["html"] = write_html(text, paths["report"], f"Mismatch report: {model}")
+    plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
+    return {**paths, **plot_paths, **routing_plots}
 
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:

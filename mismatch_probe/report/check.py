@@ -4,6 +4,7 @@
 ``prob_pearson >= 0.99``. Bad usage (no bound, ``METRIC=VALUE`` unparsable, a metric the run
 does not have) raises ``ProbeError`` (exit 2 at the CLI); the caller exits 1 when any bound
 fails. Metric names are the flat keys of ``metrics.json`` (``probe metrics --json``).
+``baseline`` runs these bounds beside the growth bounds against a baseline run, and renders all.
 """
 
 from __future__ import annotations
@@ -11,13 +12,10 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
-from rich.console import Console
 from rich.text import Text
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.report.context import load_run
 from mismatch_probe.report.verdicts import RULES
 
 SYMBOL = {"max": ("≤", ">"), "min": ("≥", "<")}  # (holds, fails)
@@ -84,11 +82,6 @@ def evaluate_bounds(bounds: tuple[Bound, ...], metrics: dict[str, float]) -> lis
     return [BoundResult(b, metrics[b.metric]) for b in bounds]
 
 
-def check_run(run_dir: Path, bounds: tuple[Bound, ...]) -> list[BoundResult]:
-    """Evaluate ``bounds`` on the run's metrics (``metrics.json``, recomputed if missing)."""
-    return evaluate_bounds(bounds, load_run(run_dir).metrics)
-
-
 def result_line(res: BoundResult) -> Text:
     """``✔ PASS  k3_kl = 0.0005 ≤ 0.001 (max)`` or ``✘ FAIL ... > 0.001 (max) by ...``."""
     b = res.bound
@@ -99,12 +92,3 @@ def result_line(res: BoundResult) -> Text:
         times = f", {res.value / b.limit:.3g}× the bound" if b.limit else ""
         head.append(f" by {res.excess:.4g}{times}")
     return head
-
-
-def render_check(results: list[BoundResult], console: Console) -> None:
-    """One line per bound, then a summary line."""
-    for res in results:
-        console.print(result_line(res), highlight=False)
-    failed = sum(not r.passed for r in results)
-    summary = f"{failed} of {len(results)} bounds failed" if failed else "all bounds hold"
-    console.print(summary, highlight=False)

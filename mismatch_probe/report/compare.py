@@ -226,8 +226,14 @@ def comparison_markdown(
 
 
 def write_comparison(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
-    """Write the overlaid plots and ``compare.md`` into ``out_dir``; returns their paths."""
+    """Write the overlaid plots, ``compare.md`` and ``compare.html`` into ``out_dir``; returns
+    their paths."""
     plots = overlay_plots(list(comparison.entries), out_dir)
     report = out_dir / store.COMPARE_FILE
-    report.write_text(comparison_markdown(comparison, plots, out_dir))
-    return {"report": report, **{f"plot_{name}": path for name, (path, _) in plots.items()}}
+    text = comparison_markdown(comparison, plots, out_dir)
+    store.write_text(report, text)
+    from mismatch_probe.report.html import write_html
+
+    html = write_html(text, report, "Mismatch comparison")
+    plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
+    return {"report": report, "html": html, **plot_paths}
