@@ -23,6 +23,9 @@ from mismatch_probe.options import (
     ChatOpt,
     CompareOutOpt,
     FlipEpsOpt,
+    FormatArg,
+    IngestModelOpt,
+    IngestOutOpt,
     JsonOpt,
     KvCacheDtypeOpt,
     LmHeadFp32Opt,
@@ -47,11 +50,15 @@ from mismatch_probe.options import (
     SamplesOpt,
     SeedOpt,
     SettingOpt,
+    SourceArg,
+    StepOpt,
+    StepsOpt,
     StrictOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
     TrainDtypeOpt,
+    TrustPickleOpt,
     VllmArgOpt,
 )
 
@@ -82,17 +89,21 @@ def metrics_command(
     batch_normalize: BatchNormalizeOpt = False,
     preset: PresetOpt = None,
     setting: SettingOpt = None,
+    step: StepOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Compute verl's rollout-correction metrics and our diagnostics for a token store."""
     import json
 
     from mismatch_probe.metrics import compute_metrics, render_metrics
+    from mismatch_probe.metrics.steps import resolve_step
+    from mismatch_probe.store import resolve_tokens_path
 
     cfg = _metrics_config(
         rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold, batch_normalize, preset
     )
-    result = compute_metrics(path, cfg, setting=setting)
+    number = None if step is None else resolve_step(resolve_tokens_path(path), step)
+    result = compute_metrics(path, cfg, setting=setting, step=number)
     if json_output:
         print(json.dumps(result.flat(), allow_nan=False))
     else:
@@ -207,17 +218,22 @@ def compare(
 
 
 @app.command()
-def check(run_dir: RunDirArg, max_bound: MaxBoundOpt = None, min_bound: MinBoundOpt = None) -> None:
+def check(
+    run_dir: RunDirArg,
+    max_bound: MaxBoundOpt = None,
+    min_bound: MinBoundOpt = None,
+    step: StepOpt = None,
+) -> None:
     """Check metric bounds (for CI): exit 0 when all hold, 1 when any fails, 2 on bad usage."""
     from mismatch_probe.report.check import check_run, parse_bounds, render_check
 
-    results = check_run(run_dir, parse_bounds(max_bound or [], min_bound or []))
+    results = check_run(run_dir, parse_bounds(max_bound or [], min_bound or []), step)
     render_check(results, _stdout_console())
     if not all(r.passed for r in results):
         raise typer.Exit(1)
 
 
-# --- scan and models --------------------------------------------------------------------------
+# --- scan, ingest and models ------------------------------------------------------------------
 
 
 @app.command()
@@ -282,6 +298,38 @@ def scan(
     console = _stdout_console()
     render_run(result.report, console)
     render_summary(result, console)
+
+
+@app.command()
+def ingest(
+    format_name: FormatArg,
+    path: SourceArg,
+    out: IngestOutOpt,
+    model: IngestModelOpt = None,
+    steps: StepsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    temperature: TemperatureOpt = 1.0,
+    batch_tokens: BatchTokensOpt = 2048,
+) -> None:
+    """Turn an RL framework's logs into a run: metrics per step and overall, a trend report.
+
+    Formats without a training side (miles-parquet) are rescored with --model in float32 at
+    --temperature (the logs do not record how the rollouts were sampled).
+    """
+    from mismatch_probe.ingest import IngestConfig, parse_steps, run_ingest
+    from mismatch_probe.report.trend import render_ingest
+
+    cfg = IngestConfig(
+        format=format_name,
+        path=path,
+        out=out,
+        model=model,
+        steps=parse_steps(steps),
+        trust_pickle=trust_pickle,
+        temperature=temperature,
+        batch_tokens=batch_tokens,
+    )
+    render_ingest(run_ingest(cfg), _stdout_console())
 
 
 @models_app.command("prepare")

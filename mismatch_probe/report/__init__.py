@@ -74,7 +74,12 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
         text += "\n" + settings_markdown(entries, ctx.run_dir)
     routing = routing_markdown(ctx.run_dir)
     text += "\n" + routing if routing else ""
+    from mismatch_probe.report.trend import write_trend
+
+    trend, trend_plot = write_trend(ctx)
+    text += "\n" + trend if trend else ""
     store.write_text(paths["report"], text)
+    paths.update({"plot_trend": trend_plot} if trend_plot else {})
     return {**paths, **{f"plot_{name}": path for name, (path, _) in plots.items()}}
 
 
@@ -82,10 +87,14 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
     """The terminal report, then the settings side by side for a matrix run."""
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
+    from mismatch_probe.report.trend import load_trend, render_table
 
     render_run(ctx, console)
     if entries:
         render_settings(entries, console)
+    trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
+    if trend is not None:
+        console.print(render_table(trend))
 
 
 def write_report(run_dir: Path, metrics_config: MetricsConfig | None = None) -> dict[str, Path]:

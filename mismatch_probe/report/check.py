@@ -84,9 +84,16 @@ def evaluate_bounds(bounds: tuple[Bound, ...], metrics: dict[str, float]) -> lis
     return [BoundResult(b, metrics[b.metric]) for b in bounds]
 
 
-def check_run(run_dir: Path, bounds: tuple[Bound, ...]) -> list[BoundResult]:
-    """Evaluate ``bounds`` on the run's metrics (``metrics.json``, recomputed if missing)."""
-    return evaluate_bounds(bounds, load_run(run_dir).metrics)
+def check_run(
+    run_dir: Path, bounds: tuple[Bound, ...], step: str | None = None
+) -> list[BoundResult]:
+    """Evaluate ``bounds`` on the run's metrics (``metrics.json``, recomputed if missing), or
+    on one training step's (``"last"`` or a number) of an ingested run."""
+    if step is None:
+        return evaluate_bounds(bounds, load_run(run_dir).metrics)
+    from mismatch_probe.report.trend import step_metrics
+
+    return evaluate_bounds(bounds, step_metrics(Path(run_dir), step))
 
 
 def result_line(res: BoundResult) -> Text:
