@@ -25,8 +25,6 @@ from mismatch_probe.ingest.formats import Format, get_format
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord
 from mismatch_probe.ingest.writer import Counts, RunStoreWriter
 
-STEPS_FILE = "steps.json"
-
 
 @dataclass(frozen=True)
 class IngestResult:
@@ -72,6 +70,7 @@ def _ingest_into(
     from mismatch_probe.metrics import compute_metrics
     from mismatch_probe.metrics.steps import compute_step_metrics
     from mismatch_probe.report import load_report, write_outputs
+    from mismatch_probe.report.trend import write_steps
 
     off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
     model_dir, tokenizer, records = _sources(cfg, fmt)
@@ -93,12 +92,6 @@ def _ingest_into(
     ctx, entries = load_report(tmp)
     write_outputs(ctx, entries)
     return run, metrics.flat(), steps, ctx
-
-
-def write_steps(run_dir: Path, steps: dict[int, dict[str, float]], config: dict) -> None:
-    """``steps.json``: ``{"config": ..., "steps": {"<step>": {metric: value}}}``."""
-    data = {"config": config, "steps": {str(s): m for s, m in steps.items()}}
-    store.write_json(run_dir / STEPS_FILE, data)
 
 
 def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqRecord]]:

@@ -67,11 +67,13 @@ class Trend:
 
 
 def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[str, float]]:
-    """``steps.json`` when it matches ``config`` (None: any), else recomputed ({} without a
-    ``step`` column)."""
+    """``steps.json`` when it matches ``config`` (None: any), else recomputed and rewritten
+    ({} without a ``step`` column)."""
     from mismatch_probe.metrics import MetricsConfig
-    from mismatch_probe.metrics.steps import compute_step_metrics
+    from mismatch_probe.metrics.steps import compute_step_metrics, list_steps
 
+    if not list_steps(run_dir / store.TOKENS_FILE):
+        return {}
     path = run_dir / STEPS_FILE
     try:
         data = json.loads(path.read_text())
@@ -80,7 +82,15 @@ def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[s
     except (OSError, ValueError, KeyError, TypeError):
         pass
     cfg = _config_from(config) if config is not None else MetricsConfig()
-    return compute_step_metrics(run_dir / store.TOKENS_FILE, cfg)
+    steps = compute_step_metrics(run_dir / store.TOKENS_FILE, cfg)
+    write_steps(run_dir, steps, cfg.describe())
+    return steps
+
+
+def write_steps(run_dir: Path, steps: dict[int, dict[str, float]], config: dict) -> None:
+    """``steps.json``: ``{"config": ..., "steps": {"<step>": {metric: value}}}``."""
+    data = {"config": config, "steps": {str(s): m for s, m in steps.items()}}
+    store.write_json(run_dir / STEPS_FILE, data)
 
 
 def _config_from(described: dict[str, Any]) -> Any:
