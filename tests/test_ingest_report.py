@@ -113,6 +113,7 @@ def test_ingest_writes_the_trend_section_and_plot(run: Path) -> None:
     assert "## Trend over training steps" in report and "plots/trend.png" in report
     assert (run / "plots" / "trend.png").stat().st_size > 10_000
     assert "mismatch plus policy staleness" in report  # prime-rl is asynchronous
+    assert "| steps | 4 (10..40) |" in report and "| training side | trainer\\_logprobs |" in report
 
 
 def test_metrics_step_matches_steps_json(
