@@ -18,7 +18,6 @@ Sign convention downstream: ``r = train - rollout``.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,11 +202,3 @@ def as_bool_mask(values: np.ndarray, name: str, where: str) -> np.ndarray:
     if values.size and not np.all(np.isin(values, (0.0, 1.0))):
         raise ProbeError(f"{where}: {name} holds values other than 0/1")
     return values.astype(bool)
-
-
-def finite_or_none(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
