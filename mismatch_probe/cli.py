@@ -25,7 +25,10 @@ from mismatch_probe.options import (
     ChatOpt,
     CompareOutOpt,
     FlipEpsOpt,
+    FormatArg,
     FormatOpt,
+    IngestModelOpt,
+    IngestOutOpt,
     JsonOpt,
     KvCacheDtypeOpt,
     LmHeadFp32Opt,
@@ -47,11 +50,15 @@ from mismatch_probe.options import (
     SeedOpt,
     SettingOpt,
     SignificanceOpt,
+    SourceArg,
+    StepOpt,
+    StepsOpt,
     StrictOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
     TrainDtypeOpt,
+    TrustPickleOpt,
     VllmArgOpt,
     metric_options,
 )
@@ -79,15 +86,19 @@ def metrics_command(
     path: Annotated[Path, typer.Argument(help="Run directory or token-store Parquet file.")],
     metrics_config: MetricsConfig,
     setting: SettingOpt = None,
+    step: StepOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Compute verl's rollout-correction metrics and our diagnostics for a token store."""
     import json
 
     from mismatch_probe.metrics import compute_metrics
+    from mismatch_probe.metrics.steps import resolve_step
     from mismatch_probe.report.metrics_table import render_metrics
+    from mismatch_probe.store import resolve_tokens_path
 
-    result = compute_metrics(path, metrics_config, setting=setting)
+    number = None if step is None else resolve_step(resolve_tokens_path(path), step)
+    result = compute_metrics(path, metrics_config, setting=setting, step=number)
     if json_output:
         print(json.dumps(result.flat(), allow_nan=False))
     else:
@@ -189,6 +200,7 @@ def check(
     max_increase: MaxIncreaseOpt = None,
     significance: SignificanceOpt = 0.95,
     allow_different: AllowDifferentOpt = False,
+    step: StepOpt = None,
 ) -> None:
     """Check metric bounds, and growth over a baseline run (for CI): exit 0 when all hold,
     1 when any fails, 2 on bad usage or runs that are not comparable."""
@@ -202,13 +214,14 @@ def check(
         max_increase or [],
         significance,
         allow_different,
+        step,
     )
     render_gate(gate, _stdout_console())
     if not gate.passed:
         raise typer.Exit(1)
 
 
-# --- scan and models --------------------------------------------------------------------------
+# --- scan, ingest and models ------------------------------------------------------------------
 
 
 @app.command()
@@ -273,6 +286,38 @@ def scan(
     console = _stdout_console()
     render_run(result.report, console)
     render_summary(result, console)
+
+
+@app.command()
+def ingest(
+    format_name: FormatArg,
+    path: SourceArg,
+    out: IngestOutOpt,
+    model: IngestModelOpt = None,
+    steps: StepsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    temperature: TemperatureOpt = 1.0,
+    batch_tokens: BatchTokensOpt = 2048,
+) -> None:
+    """Turn an RL framework's logs into a run: metrics per step and overall, a trend report.
+
+    Formats without a training side (miles-parquet) are rescored with --model in float32 at
+    --temperature (the logs do not record how the rollouts were sampled).
+    """
+    from mismatch_probe.ingest import IngestConfig, parse_steps, run_ingest
+    from mismatch_probe.report.trend import render_ingest
+
+    cfg = IngestConfig(
+        format=format_name,
+        path=path,
+        out=out,
+        model=model,
+        steps=parse_steps(steps),
+        trust_pickle=trust_pickle,
+        temperature=temperature,
+        batch_tokens=batch_tokens,
+    )
+    render_ingest(run_ingest(cfg), _stdout_console())
 
 
 @models_app.command("prepare")

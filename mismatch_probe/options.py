@@ -282,6 +282,55 @@ FlipEpsOpt = Annotated[
     ),
 ]
 
+StepOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--step",
+        help="Only one training step of an ingested run: a step number or 'last'.",
+    ),
+]
+
+FormatArg = Annotated[
+    str,
+    typer.Argument(
+        help="Log format: prime-rl, nemo-rl, slime, miles-parquet or probe (our token schema)."
+    ),
+]
+
+SourceArg = Annotated[
+    Path,
+    typer.Argument(
+        help="The framework's output: prime-rl output dir (or its token_exports/), NeMo-RL "
+        "log dir, slime/Miles dump_details dir, or a ProbeWriter directory."
+    ),
+]
+
+IngestOutOpt = Annotated[
+    Path, typer.Option("--out", help="Run directory to create (must not exist or be empty).")
+]
+
+IngestModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--model",
+        help="Checkpoint of the trained model: rescores formats without a training side "
+        "(miles-parquet) and adds each token's text to the reports.",
+    ),
+]
+
+StepsOpt = Annotated[
+    str | None,
+    typer.Option("--steps", help="Training steps to read, inclusive: N, A:B, A: or :B."),
+]
+
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Allow dumps that need full unpickling (slime .pt beyond tensors and lists). "
+        "Unpickling runs code from the file: only for files you trust.",
+    ),
+]
 
 # --- the metric options block, shared by `probe metrics` and `probe report` ------------------
 

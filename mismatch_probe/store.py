@@ -72,6 +72,7 @@ METRICS_FILE = "metrics.json"  # the reference setting's metrics, curves include
 SETTINGS_FILE = "settings.json"  # every setting's flat metrics, least mismatch first
 ROUTING_FILE = "routing.parquet"  # MoE: both sides' expert ids (routing/store.py)
 ROUTING_METRICS_FILE = "routing.json"  # MoE: disagreement and the mismatch split by it
+STEPS_FILE = "steps.json"  # an ingested run's metrics per training step
 REPORT_FILE = "report.md"
 COMPARE_FILE = "compare.md"  # written by ``probe compare`` into its own directory
 PLOTS_DIR = "plots"
@@ -169,7 +170,7 @@ def read_run_metadata(path: Path) -> dict[str, Any]:
 
 
 def iter_sequence_batches(
-    path: Path, columns: Sequence[str] = METRIC_COLUMNS
+    path: Path, columns: Sequence[str] = METRIC_COLUMNS, row_groups: Sequence[int] | None = None
 ) -> Iterator[pa.Table]:
     """Yield tables of whole sequences, a row group (or a bounded piece of one) at a time.
 
@@ -182,13 +183,14 @@ def iter_sequence_batches(
     Yields:
         Tables with ``columns`` (plus ``seq_id``), rows in file order: each sequence's rows
         together, sequences in order of appearance (rows are not re-sorted by position).
+        With ``row_groups``, only those row groups are read (see ``step_row_groups``).
     """
     cols = list(dict.fromkeys(["seq_id", *columns]))
     pf = open_parquet(path, required=cols)
     seen: set[int] = set()
     carry: pa.Table | None = None
     try:
-        for group in _chunks(pf, cols):
+        for group in _chunks(pf, cols, row_groups):
             if carry is not None:
                 group = pa.concat_tables([carry, group])
             if group.num_rows == 0:
@@ -206,11 +208,13 @@ def iter_sequence_batches(
         raise ProbeError(f"{path} is corrupt ({exc})") from None
 
 
-def _chunks(pf: pq.ParquetFile, cols: list[str]) -> Iterator[pa.Table]:
+def _chunks(
+    pf: pq.ParquetFile, cols: list[str], row_groups: Sequence[int] | None = None
+) -> Iterator[pa.Table]:
     """The file as tables of at most ``2 * ROW_GROUP_TOKENS`` rows (one of our row groups fits
     whole), reading one row group at a time: no read-ahead across groups, and a foreign file's
     huge row group is decoded piece by piece."""
-    for i in range(pf.num_row_groups):
+    for i in range(pf.num_row_groups) if row_groups is None else row_groups:
         for batch in pf.iter_batches(2 * ROW_GROUP_TOKENS, row_groups=[i], columns=cols):
             yield pa.Table.from_batches([batch])
 
@@ -233,3 +237,27 @@ def _check_contiguous(seq: Any, seen: set[int], path: Path) -> None:
             f"{path}: the rows of a sequence are not contiguous; sort the file by seq_id"
         )
     seen.update(starts)
+
+
+# --- training steps (runs made by ``probe ingest``: a ``step`` column) ------------------------
+
+STEP_COLUMN = "step"
+
+
+def step_ranges(pf: pq.ParquetFile) -> list[tuple[int, int] | None]:
+    """``(min, max)`` of the ``step`` column per row group, from the footer statistics (None
+    where a row group has none)."""
+    index = pf.schema_arrow.get_field_index(STEP_COLUMN)
+    out: list[tuple[int, int] | None] = []
+    for i in range(pf.num_row_groups):
+        stats = pf.metadata.row_group(i).column(index).statistics
+        ok = stats is not None and stats.has_min_max
+        out.append((int(stats.min), int(stats.max)) if ok else None)
+    return out
+
+
+def step_row_groups(pf: pq.ParquetFile, step: int) -> list[int]:
+    """The row groups that may hold rows of ``step`` (all of them when statistics are missing)."""
+    return [
+        i for i, span in enumerate(step_ranges(pf)) if span is None or span[0] <= step <= span[1]
+    ]

@@ -17,7 +17,8 @@ PACKAGE = Path(mismatch_probe.__file__).parent
 # Rank of each top-level module or package of mismatch_probe, top of the pipeline first.
 RANKS = {
     "cli": 9, "options": 8,  # the thin layer: options declared once
-    "scan": 7, "runinfo": 6, "records": 5, "config": 5,  # the pipeline and its records
+    "scan": 7, "ingest": 7,  # the pipelines: our rollouts, or a framework's logs
+    "runinfo": 6, "records": 5, "config": 5,  # the scan's metadata and records
     "report": 4, "tables": 4,  # stages: report renders, tables shapes the store's rows
     "routing": 3,
     "rollout": 2, "rescore": 2, "metrics": 2,

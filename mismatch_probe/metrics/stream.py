@@ -32,9 +32,11 @@ from mismatch_probe.metrics.rejection import RSAccumulator
 from mismatch_probe.metrics.weights import ISAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
+    STEP_COLUMN,
     iter_sequence_batches,
     open_parquet,
     resolve_tokens_path,
+    step_row_groups,
 )
 
 OPTIONAL_COLUMNS = ("support_flip", "token_id")
@@ -117,7 +119,10 @@ def _check_settings(path: Path, setting: str | None, seen: set[str]) -> None:
 
 
 def compute_metrics(
-    path: Path | str, config: MetricsConfig | None = None, setting: str | None = None
+    path: Path | str,
+    config: MetricsConfig | None = None,
+    setting: str | None = None,
+    step: int | None = None,
 ) -> MetricsResult:
     """All metrics of a token store in one streaming pass.
 
@@ -127,21 +132,32 @@ def compute_metrics(
             and ``setting`` used when present); a sequence's rows must be contiguous.
         config: what to compute (default ``MetricsConfig()``).
         setting: keep only rows of this ``setting``; required when the store holds several.
+        step: keep only rows of this training ``step`` (stores written by ``probe ingest``);
+            only the row groups whose statistics can hold it are read.
 
     Raises:
         ProbeError: unreadable or unsuitable file, unknown setting, no valid token.
     """
     config = config or MetricsConfig()
     path = resolve_tokens_path(Path(path))
-    names = open_parquet(path).schema_arrow.names
+    pf = open_parquet(path)
+    names = pf.schema_arrow.names
     if setting is not None and "setting" not in names:
         raise ProbeError(f"{path} has no setting column; drop the setting filter")
+    groups = None
+    if step is not None:
+        if STEP_COLUMN not in names:
+            raise ProbeError(f"{path} has no step column (not an ingested run); drop --step")
+        groups = step_row_groups(pf, step)
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
+    optional += [STEP_COLUMN] if step is not None else []
     engine = MetricEngine(config, has_flip="support_flip" in names)
     seen: set[str] = set()
-    for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional]):
+    for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional], groups):
+        if step is not None:
+            table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
         table = _select_setting(table, setting, seen)
         if table.num_rows:
             engine.update(batch_from_table(table))
     _check_settings(path, setting, seen)
-    return engine.result(str(path))
+    return engine.result(str(path) if step is None else f"{path} step {step}")

@@ -74,38 +74,47 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     Returns:
         ``{"metrics": ..., "report": ..., "html": ..., "plot_<name>": ...}`` paths.
     """
+    from mismatch_probe.report.html import write_html
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
     from mismatch_probe.report.settings import settings_markdown
+    from mismatch_probe.report.trend import write_trend
 
     run_dir = ctx.run_dir
     paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
     store.write_json(paths["metrics"], ctx.json_dict())
     plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
-    routing_plots = write_routing_plots(run_dir)
-    text = render_markdown(ctx, plots)
-    if entries:
-        text += "\n" + settings_markdown(entries, run_dir)
-    routing = routing_markdown(run_dir)
-    text += "\n" + routing if routing else ""
+    extra_plots = write_routing_plots(run_dir)
+    trend, trend_plot = write_trend(ctx)
+    if trend_plot:
+        extra_plots["plot_trend"] = trend_plot
+    sections = [
+        render_markdown(ctx, plots),
+        settings_markdown(entries, run_dir) if entries else "",
+        routing_markdown(run_dir),
+        trend,
+    ]
+    text = "\n".join(section for section in sections if section)
     store.write_text(paths["report"], text)
-    from mismatch_probe.report.html import write_html
-
     model = ctx.run.get("model", {}).get("name", ctx.label)
     paths["html"] = write_html(text, paths["report"], f"Mismatch report: {model}")
     plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
-    return {**paths, **plot_paths, **routing_plots}
+    return {**paths, **plot_paths, **extra_plots}
 
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """The terminal report, then the settings side by side for a matrix run."""
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
+    from mismatch_probe.report.trend import load_trend, render_table
 
     render_run(ctx, console)
     if entries:
         render_settings(entries, console)
+    trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
+    if trend is not None:
+        console.print(render_table(trend))
 
 
 def write_report(run_dir: Path, metrics_config: MetricsConfig | None = None) -> dict[str, Path]:

@@ -219,6 +219,13 @@ class Gate:
         return all(r.passed for r in results)
 
 
+def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
+    """One training step's metrics of an ingested run (``"last"`` or a step number)."""
+    from mismatch_probe.report.trend import step_metrics
+
+    return step_metrics(Path(run_dir), step)
+
+
 def run_gate(
     run_dir: Path,
     maxima: list[str],
@@ -227,6 +234,7 @@ def run_gate(
     increases: list[str] | None = None,
     level: float = 0.95,
     allow_different: bool = False,
+    step: str | None = None,
 ) -> Gate:
     """Parse and evaluate every bound of ``probe check`` (see the module docstring).
 
@@ -246,7 +254,9 @@ def run_gate(
     if maxima or minima or not parsed:
         bounds = parse_bounds(maxima, minima)
     head = load_run(run_dir)
-    results = evaluate_bounds(bounds, head.metrics)
+    if step is not None and baseline is not None:
+        raise ProbeError("--step checks one training step's bounds; it does not take --baseline")
+    results = evaluate_bounds(bounds, _step_metrics(run_dir, step) if step else head.metrics)
     if baseline is None:
         return Gate(tuple(results), ())
     base = load_run(baseline)

@@ -141,6 +141,8 @@ def visible(text: str) -> str:
 
 def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) -> list[tuple]:
     """``[(name, value)]``: what was measured, from ``run.json`` (``?`` where it is silent)."""
+    if run.get("kind") == "ingest":
+        return ingest_rows(run, metrics)
     s, prompts = run.get("sampling", {}), run.get("prompts", {})
     sampling = " ".join(f"{k}={s[k]}" for k in ("temperature", "top_p", "top_k") if k in s)
     return [
@@ -151,6 +153,28 @@ def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) ->
         ("sampling", sampling or "?"),
         ("max tokens", s.get("max_tokens", "?")),
         ("log-probs", s.get("logprobs_mode", "?")),
+        ("response tokens", fmt("num_tokens", metrics.get("num_tokens", 0.0))),
+        ("responses", fmt("num_sequences", metrics.get("num_sequences", 0.0))),
+    ]
+
+
+def ingest_rows(run: dict[str, Any], metrics: dict[str, float]) -> list[tuple]:
+    """What an ingested run measured: the framework's logs, steps and log-prob fields."""
+    source, available, counts = (
+        run.get("source", {}),
+        run.get("available", {}),
+        run.get("counts", {}),
+    )
+    return [
+        ("source", f"{source.get('format', '?')} {source.get('path', '?')}"),
+        ("format", source.get("format_version", "?")),
+        (
+            "steps",
+            f"{counts.get('steps', '?')} ({counts.get('first_step')}..{counts.get('last_step')})",
+        ),
+        ("rollout side", available.get("rollout_logprobs", "?")),
+        ("training side", available.get("train_logprobs", "?")),
+        ("model", run.get("model", {}).get("name", "not given")),
         ("response tokens", fmt("num_tokens", metrics.get("num_tokens", 0.0))),
         ("responses", fmt("num_sequences", metrics.get("num_sequences", 0.0))),
     ]

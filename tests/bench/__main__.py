@@ -1,4 +1,4 @@
-"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics]``."""
+"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics] [ingest]``."""
 
 from __future__ import annotations
 
@@ -34,10 +34,17 @@ def _metrics() -> dict[str, Any]:
     return bench_metrics()
 
 
+def _ingest() -> dict[str, Any]:
+    from tests.bench.ingest import bench_ingest
+
+    return bench_ingest()
+
+
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "scan": _scan,
     "metrics": _metrics,
+    "ingest": _ingest,
 }
 
 

@@ -1,0 +1,121 @@
+"""Reader of our own token schema (format ``probe``), written by ``ingest.hook.ProbeWriter``.
+
+``DIR/step_<N>/*.parquet``, rows of a sequence contiguous (the writer writes row-major);
+read ``ROWS_PER_READ`` rows at a time, the last, maybe incomplete, sequence carried over.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.hook import (
+    FORMAT_KEY,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    OFF_POLICY_KEY,
+    PROBE_SCHEMA,
+    VERSION_KEY,
+)
+from mismatch_probe.ingest.records import SeqRecord, StepRange
+
+_STEP_DIR = re.compile(r"step_(\d+)$")
+ROWS_PER_READ = 65_536
+
+
+def step_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
+    if not path.is_dir():
+        raise ProbeError(f"{path}: no such directory")
+    dirs = sorted(
+        (int(m.group(1)), p)
+        for p in path.iterdir()
+        if p.is_dir() and (m := _STEP_DIR.match(p.name))
+    )
+    files = [(n, f) for n, d in dirs if n in steps for f in sorted(d.glob("[!.]*.parquet"))]
+    if not files:
+        raise ProbeError(f"{path}: no step_<N>/*.parquet file in the chosen steps")
+    return files
+
+
+def _open(file: Path) -> pq.ParquetFile:
+    try:
+        pf = pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as exc:
+        raise ProbeError(f"{file} is not a readable Parquet file ({exc})") from None
+    meta = pf.schema_arrow.metadata or {}
+    if meta.get(FORMAT_KEY) != FORMAT_NAME.encode():
+        raise ProbeError(f"{file} was not written by ProbeWriter (no {FORMAT_NAME} marker)")
+    version = meta.get(VERSION_KEY, b"?").decode()
+    if version != FORMAT_VERSION:
+        raise ProbeError(f"{file}: format version {version} (supported: {FORMAT_VERSION})")
+    missing = [c for c in PROBE_SCHEMA.names if c not in pf.schema_arrow.names]
+    if missing:
+        raise ProbeError(f"{file} lacks the column(s) {', '.join(missing)}")
+    return pf
+
+
+def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
+    for step, file in step_files(path, steps):
+        pf = _open(file)
+        carry: pa.Table | None = None
+        try:
+            for batch in pf.iter_batches(ROWS_PER_READ, columns=PROBE_SCHEMA.names):
+                table = pa.Table.from_batches([batch])
+                table = pa.concat_tables([carry, table]) if carry is not None else table
+                seq = table.column("sequence").to_numpy()
+                tail = _last_run_start(seq)
+                yield from _records(table.slice(0, tail), step, file)
+                carry = table.slice(tail)
+        except pa.ArrowException as exc:
+            raise ProbeError(f"{file} is corrupt ({exc})") from None
+        if carry is not None and carry.num_rows:
+            yield from _records(carry, step, file)
+
+
+def _last_run_start(seq: np.ndarray) -> int:
+    change = np.flatnonzero(seq[1:] != seq[:-1])
+    return int(change[-1] + 1) if len(change) else 0
+
+
+def _records(table: pa.Table, step: int, file: Path) -> Iterator[SeqRecord]:
+    if table.num_rows == 0:
+        return
+    cols = {name: table.column(name) for name in PROBE_SCHEMA.names}
+    seq = cols["sequence"].to_numpy()
+    steps = cols["step"].to_numpy()
+    if np.any(steps != step):
+        raise ProbeError(f"{file}: rows of step {int(steps[steps != step][0])} in step_{step}/")
+    values = {
+        k: cols[k].to_numpy(zero_copy_only=False)
+        for k in ("position", "token_id", "rollout_logprob", "train_logprob")
+    }
+    groups = cols["group"].to_pylist()
+    bounds = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1], True])
+    for a, b in itertools.pairwise(bounds.tolist()):
+        yield SeqRecord(
+            step=step,
+            source=f"{file} sequence {int(seq[a])}",
+            prompt_key=groups[a],
+            token_ids=values["token_id"][a:b].astype(np.int64),
+            positions=values["position"][a:b].astype(np.int64),
+            rollout=np.asarray(values["rollout_logprob"][a:b], dtype=np.float64),
+            train=np.asarray(values["train_logprob"][a:b], dtype=np.float64),
+        )
+
+
+def off_policy(path: Path) -> dict[str, Any]:
+    """The bound ``ProbeWriter`` recorded in the first file, if any."""
+    files = step_files(path, StepRange())
+    meta = _open(files[0][1]).schema_arrow.metadata or {}
+    if OFF_POLICY_KEY in meta:
+        value = int(meta[OFF_POLICY_KEY])
+        return {"max_off_policy_steps": value, "source": "ProbeWriter", "staleness": value > 0}
+    return {"max_off_policy_steps": None, "source": "not given to ProbeWriter", "staleness": None}

@@ -1,0 +1,178 @@
+"""``probe ingest``: a framework's logs -> a run directory laid out like a scan's.
+
+Everything is written into a hidden sibling directory of ``--out`` and renamed to ``--out``
+only when complete, so a failure at any point (bad input found at step 900, an interrupt)
+leaves nothing in ``--out``; ``--out`` must not exist or be empty, so nothing there is lost.
+
+The run: ``tokens.parquet`` (with ``step``), ``sequences.parquet``, ``run.json`` (source,
+format version, what was and was not available, the off-policy bound), ``metrics.json`` (all
+steps together), ``steps.json`` (metrics per step), ``report.md`` and ``plots/`` with the trend
+section. ``probe metrics/report/compare/check`` read it like a scan.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe import store
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.formats import Format, get_format
+from mismatch_probe.ingest.records import IngestConfig, SeqRecord
+from mismatch_probe.ingest.writer import Counts, RunStoreWriter
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    out: Path
+    run: dict[str, Any]
+    metrics: dict[str, float]
+    steps: dict[int, dict[str, float]]
+    report: Any  # report.RunContext
+
+
+def check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ProbeError(f"--out {out} exists and is not an empty directory; choose a new one")
+
+
+def run_ingest(cfg: IngestConfig) -> IngestResult:
+    """Read, measure and report; see the module docstring."""
+    fmt = get_format(cfg.format)
+    check_out(cfg.out)
+    if fmt.needs_model and cfg.model is None:
+        raise ProbeError(
+            f"format {cfg.format} logs rollout log-probs only: give --model to rescore"
+        )
+    if not cfg.path.exists():
+        raise ProbeError(f"{cfg.path}: no such file or directory")
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cfg.out.parent / f".{cfg.out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        run, metrics, steps, ctx = _ingest_into(tmp, cfg, fmt)
+        if cfg.out.exists():
+            cfg.out.rmdir()  # empty (checked above)
+        os.replace(tmp, cfg.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out))
+
+
+def _ingest_into(
+    tmp: Path, cfg: IngestConfig, fmt: Format
+) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any]:
+    from mismatch_probe.metrics import compute_metrics
+    from mismatch_probe.metrics.steps import compute_step_metrics
+    from mismatch_probe.report import load_report, write_outputs
+    from mismatch_probe.report.trend import write_steps
+
+    off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
+    model_dir, tokenizer, records = _sources(cfg, fmt)
+    run = run_metadata(cfg, fmt, off_policy, model_dir)
+    writer = RunStoreWriter(tmp, run, tokenizer)
+    try:
+        for record in records:
+            writer.add(record)
+    finally:
+        counts = writer.close()
+    if counts.tokens == 0:
+        raise ProbeError(f"{cfg.path}: no trained token in the chosen steps")
+    run["counts"] = _counts(counts)
+    store.write_json(tmp / store.RUN_FILE, run)
+    metrics = compute_metrics(tmp / store.TOKENS_FILE)
+    store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
+    steps = compute_step_metrics(tmp / store.TOKENS_FILE)
+    write_steps(tmp, steps, metrics.config.describe())
+    ctx, entries = load_report(tmp)
+    write_outputs(ctx, entries)
+    return run, metrics.flat(), steps, ctx
+
+
+def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqRecord]]:
+    """The model directory and tokenizer (with ``--model``) and the record stream, rescored
+    when the format has no training side."""
+    records = fmt.read(cfg)
+    if cfg.model is None:
+        return None, None, records
+    from mismatch_probe import models, rescore
+    from mismatch_probe.ingest.rescoring import rescored
+    from mismatch_probe.sampling import SamplingSpec
+
+    model_dir = models.resolve_model(cfg.model)
+    tokenizer = _tokenizer(model_dir)
+    if fmt.needs_model:
+        model = rescore.load_model(model_dir, cfg.train_dtype)
+        spec = SamplingSpec(temperature=cfg.temperature)
+        records = rescored(records, model, spec, cfg.train_dtype, cfg.batch_tokens)
+    return model_dir, tokenizer, records
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise ProbeError(
+            f"transformers could not load a tokenizer from {model_dir}: {reason}"
+        ) from None
+
+
+def run_metadata(
+    cfg: IngestConfig, fmt: Format, off_policy: dict[str, Any], model_dir: Path | None
+) -> dict[str, Any]:
+    """``run.json`` of an ingested run (``counts`` added once the store is written)."""
+    from mismatch_probe.runinfo import library_versions
+
+    train = fmt.train_field or f"rescored with --model ({cfg.train_dtype}, T={cfg.temperature:g})"
+    run: dict[str, Any] = {
+        "tool": "mismatch_probe",
+        "schema_version": store.SCHEMA_VERSION,
+        "kind": "ingest",
+        "setting": f"{cfg.format}: {fmt.rollout_field} vs {fmt.train_field or 'rescoring'}",
+        "source": {
+            "format": cfg.format,
+            "format_version": fmt.version,
+            "path": str(cfg.path.resolve()),
+            "checked_against": fmt.checked,
+            "steps": {"first": cfg.steps.first, "last": cfg.steps.last},
+        },
+        "available": {
+            "rollout_logprobs": fmt.rollout_field,
+            "train_logprobs": train,
+            "token_text": model_dir is not None,
+            "prompt_text": False,
+            "support_flip": False,
+            "sampling_parameters": False,
+        },
+        "off_policy": off_policy,
+        "versions": library_versions(),
+    }
+    if model_dir is not None:
+        from mismatch_probe import models
+
+        run["model"] = {
+            "path": str(model_dir.resolve()),
+            "name": model_dir.name,
+            "config_sha256": models.config_hash(model_dir),
+        }
+    return run
+
+
+def _counts(c: Counts) -> dict[str, Any]:
+    return {
+        "steps": len(c.steps),
+        "first_step": c.steps[0],
+        "last_step": c.steps[-1],
+        "sequences": c.sequences,
+        "tokens": c.tokens,
+        "null_logprobs": c.null_logprobs,
+        "empty_sequences_skipped": c.empty_sequences,
+    }

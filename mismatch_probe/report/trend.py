@@ -1,0 +1,285 @@
+"""The trend section of an ingested run: key metrics against training step.
+
+``load_trend`` reads ``steps.json`` (written by ``probe ingest``; recomputed from
+``tokens.parquet`` when missing or computed with another metrics config). The section shows
+``TREND_METRICS`` (those the metric engine computed) and every preset's token masked fraction
+that is not zero throughout, as a plot (``plots/trend.png``) and a table. Steps where a metric
+fails its verdict threshold are marked, and the steps where it *crosses* (fails after passing,
+or fails at the first step) are listed. A note says whether the ratio can include policy
+staleness (``run.json`` ``off_policy``), since asynchronous frameworks train on rollouts of
+older weights.
+
+Plain functions over data; the Markdown and rich renderers are the two ``render_*`` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from mismatch_probe import store
+from mismatch_probe.report.verdicts import HEALTH_CHECKS, RULES, HealthCheck
+
+PLOT_NAME = "trend"
+MAX_ROWS = 40  # table rows; longer runs show the crossings, the ends and evenly spaced steps
+
+# (metric, what it is); a metric the engine did not compute is left out.
+TREND_METRICS: tuple[tuple[str, str], ...] = (
+    ("k3_kl", "k3 KL(rollout‖train)"),
+    ("token_mult_prob_error", "NeMo-RL token mult. prob. error"),
+    ("chi2_token", "token χ²"),
+    ("f_tau_2", "tokens with ρ outside [0.5, 2]"),
+)
+# Thresholds beyond the verdict table: NeMo-RL's docs flag a mult. prob. error above 1.05.
+EXTRA_CHECKS: tuple[HealthCheck, ...] = (
+    HealthCheck("token_mult_prob_error", "max", (1.05,), "token mult. prob. error", "NeMo-RL"),
+)
+PRESET_MASKED = "presets/{}/token_masked_fraction"
+
+
+def threshold_of(metric: str) -> HealthCheck | None:
+    return next((c for c in (*HEALTH_CHECKS, *EXTRA_CHECKS) if c.metric == metric), None)
+
+
+@dataclass(frozen=True)
+class Trend:
+    """Per-step values of the shown metrics.
+
+    Attributes:
+        steps: the steps, ascending.
+        series: ``{metric: [value per step]}`` (trend metrics, then preset masked fractions).
+        failing: ``{metric: set of steps where it fails its threshold}``.
+        crossings: ``{metric: [steps where it starts failing]}``.
+        note: the staleness sentence for this run.
+    """
+
+    steps: list[int]
+    series: dict[str, list[float]]
+    failing: dict[str, set[int]]
+    crossings: dict[str, list[int]]
+    note: str
+
+
+def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[str, float]]:
+    """``steps.json`` when it matches ``config`` (None: any), else recomputed and rewritten
+    ({} without a ``step`` column)."""
+    from mismatch_probe.metrics import MetricsConfig
+    from mismatch_probe.metrics.steps import compute_step_metrics, list_steps
+
+    if not list_steps(run_dir / store.TOKENS_FILE):
+        return {}
+    path = run_dir / store.STEPS_FILE
+    try:
+        data = json.loads(path.read_text())
+        if config is None or data["config"] == config:
+            return {int(s): m for s, m in data["steps"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    cfg = _config_from(config) if config is not None else MetricsConfig()
+    steps = compute_step_metrics(run_dir / store.TOKENS_FILE, cfg)
+    write_steps(run_dir, steps, cfg.describe())
+    return steps
+
+
+def write_steps(run_dir: Path, steps: dict[int, dict[str, float]], config: dict) -> None:
+    """``steps.json``: ``{"config": ..., "steps": {"<step>": {metric: value}}}``."""
+    data = {"config": config, "steps": {str(s): m for s, m in steps.items()}}
+    store.write_json(run_dir / store.STEPS_FILE, data)
+
+
+def _config_from(described: dict[str, Any]) -> Any:
+    from mismatch_probe.metrics import MetricsConfig
+
+    return MetricsConfig(
+        rollout_is=described.get("rollout_is"),
+        rollout_is_threshold=described.get("rollout_is_threshold") or "2.0",
+        rollout_rs=described.get("rollout_rs"),
+        rollout_rs_threshold=described.get("rollout_rs_threshold"),
+        batch_normalize=bool(described.get("batch_normalize")),
+        presets=tuple(described.get("presets") or ()),
+    )
+
+
+def build_trend(per_step: dict[int, dict[str, float]], run: dict[str, Any]) -> Trend | None:
+    """The trend of ``per_step`` metrics (None when there are no steps)."""
+    if not per_step:
+        return None
+    steps = sorted(per_step)
+    present = [m for m, _ in TREND_METRICS if all(m in per_step[s] for s in steps)]
+    presets = sorted({k for s in steps for k in per_step[s] if k.startswith("presets/")})
+    masked = [k for k in presets if k.endswith("/token_masked_fraction")]
+    series = {m: [per_step[s].get(m, 0.0) for s in steps] for m in present}
+    for key in masked:  # a TIS variant masks exactly what its rejection base masks: shown once
+        values = [per_step[s].get(key, 0.0) for s in steps]
+        if any(v > 0 for v in values) and values not in series.values():
+            series[key] = values
+    failing: dict[str, set[int]] = {}
+    crossings: dict[str, list[int]] = {}
+    for metric, values in series.items():
+        check = threshold_of(metric)
+        if check is None:
+            continue
+        holds = RULES[check.rule].holds
+        fails = [not holds(v, check.bounds) for v in values]
+        failing[metric] = {s for s, f in zip(steps, fails, strict=True) if f}
+        crossings[metric] = [
+            s for i, s in enumerate(steps) if fails[i] and (i == 0 or not fails[i - 1])
+        ]
+    return Trend(steps, series, failing, crossings, staleness_note(run))
+
+
+def load_trend(run_dir: Path, run: dict[str, Any], config: dict[str, Any] | None) -> Trend | None:
+    return build_trend(read_steps(run_dir, config), run)
+
+
+def staleness_note(run: dict[str, Any]) -> str:
+    """Whether the measured ratio is engine mismatch alone or mismatch plus staleness."""
+    info = run.get("off_policy") or {}
+    bound, stale, source = (info.get(k) for k in ("max_off_policy_steps", "staleness", "source"))
+    if stale is False or bound == 0:
+        return "On-policy training: the ratio measures engine mismatch."
+    if stale and bound is None:
+        return (
+            f"Asynchronous training with an unknown off-policy bound ({source}): the measured "
+            "ratio is engine mismatch plus policy staleness."
+        )
+    if bound is not None:
+        return (
+            f"Rollouts may be up to {bound} policy versions older than the trainer's weights "
+            f"(max_off_policy_steps = {bound}, from {source}): the measured ratio is engine "
+            "mismatch plus policy staleness."
+        )
+    where = f" ({source})" if source else ""
+    return (
+        f"The logs do not say whether rollouts were on-policy{where}: the measured ratio is "
+        "engine mismatch, plus policy staleness if the run was asynchronous."
+    )
+
+
+def shown_steps(trend: Trend) -> list[int]:
+    """At most ``MAX_ROWS`` steps: both ends, every crossing, then evenly spaced ones."""
+    steps = trend.steps
+    if len(steps) <= MAX_ROWS:
+        return steps
+    keep = {steps[0], steps[-1], *(s for c in trend.crossings.values() for s in c)}
+    room = max(MAX_ROWS - len(keep), 0)
+    stride = max(1, len(steps) // (room + 1))
+    keep.update(steps[::stride][:room])
+    return sorted(keep)
+
+
+def label(metric: str) -> str:
+    if metric.startswith("presets/"):
+        return f"{metric.split('/')[1]} masked"
+    return metric
+
+
+def cell(trend: Trend, metric: str, index: int) -> tuple[str, bool]:
+    """The value at ``trend.steps[index]`` (4 significant digits) and whether it fails."""
+    step = trend.steps[index]
+    return f"{trend.series[metric][index]:.4g}", step in trend.failing.get(metric, set())
+
+
+def crossing_lines(trend: Trend) -> list[str]:
+    """``chi2_token (≤ 1): crosses at step 12, 40`` for each metric that ever fails."""
+    out = []
+    for metric, steps in trend.crossings.items():
+        check = threshold_of(metric)
+        if steps and check is not None:
+            where = ", ".join(str(s) for s in steps)
+            out.append(f"{metric} ({check.threshold}, {check.source}): crosses at step {where}")
+    return out
+
+
+# --- renderers ---------------------------------------------------------------------------------
+
+
+def render_markdown(trend: Trend, plot: Path | None, base: Path) -> str:
+    """``## Trend over training steps``: note, crossings, plot, table (failing cells bold ❌)."""
+    from mismatch_probe.report.markdown import escape, table
+
+    lines = ["## Trend over training steps", "", escape(trend.note), ""]
+    crossings = crossing_lines(trend)
+    lines += [f"- ❌ {escape(c)}" for c in crossings] or ["- every threshold holds at every step"]
+    lines.append("")
+    if plot is not None:
+        lines += [f"![Key metrics against training step]({plot.relative_to(base).as_posix()})", ""]
+    shown = shown_steps(trend)
+    if len(shown) < len(trend.steps):
+        lines += [
+            f"{len(shown)} of {len(trend.steps)} steps shown ({store.STEPS_FILE} has all).",
+            "",
+        ]
+    metrics = list(trend.series)
+    rows = []
+    for step in shown:
+        i = trend.steps.index(step)
+        cells = [f"**❌ {v}**" if bad else v for v, bad in (cell(trend, m, i) for m in metrics)]
+        rows.append([str(step), *cells])
+    header = ["step", *(f"`{escape(label(m))}`" for m in metrics)]
+    return "\n".join([*lines, *table(header, rows, "r" * len(header)), ""])
+
+
+def render_table(trend: Trend) -> Table:
+    """The rich version of the table: failing values red, the note as the caption."""
+    table = Table(title="Trend over training steps", title_justify="left", caption=trend.note,
+                  caption_justify="left", title_style="bold")  # fmt: skip
+    table.add_column("step", justify="right")
+    for metric in trend.series:
+        table.add_column(label(metric), justify="right")
+    for step in shown_steps(trend):
+        i = trend.steps.index(step)
+        values = [cell(trend, m, i) for m in trend.series]
+        table.add_row(str(step), *(Text(v, style="bold red" if bad else "") for v, bad in values))
+    return table
+
+
+def write_trend(ctx: Any) -> tuple[str, Path | None]:
+    """The trend section of a loaded run (``report.RunContext``) and its plot; ``("", None)``
+    for a run without steps."""
+    trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
+    if trend is None:
+        return "", None
+    from mismatch_probe.report.trend_plot import write_trend_plot
+
+    plot_dir = ctx.run_dir / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plot = write_trend_plot(trend, plot_dir / f"{PLOT_NAME}.png", ctx.label)
+    return render_markdown(trend, plot, ctx.run_dir), plot
+
+
+def step_metrics(run_dir: Path, step: str) -> dict[str, float]:
+    """One step's flat metrics (``"last"`` or a number): from ``steps.json``, else computed."""
+    from mismatch_probe.metrics import compute_metrics
+    from mismatch_probe.metrics.steps import resolve_step
+
+    if not run_dir.is_dir():
+        from mismatch_probe.errors import ProbeError
+
+        raise ProbeError(f"{run_dir} is not a run directory")
+    number = resolve_step(run_dir / store.TOKENS_FILE, step)
+    try:
+        data = json.loads((run_dir / store.STEPS_FILE).read_text())
+        return {k: float(v) for k, v in data["steps"][str(number)].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return compute_metrics(run_dir / store.TOKENS_FILE, step=number).flat()
+
+
+def render_ingest(result: Any, console: Any) -> None:
+    """``probe ingest``'s output: the terminal report (with the trend), then what was read."""
+    from mismatch_probe.report import render
+
+    render(result.report, None, console)
+    counts, source = result.run.get("counts", {}), result.run.get("source", {})
+    console.print(
+        f"ingested {source.get('format')} {source.get('path')}: {counts.get('steps')} steps "
+        f"({counts.get('first_step')}..{counts.get('last_step')}), {counts.get('sequences'):,} "
+        f"sequences, {counts.get('tokens'):,} tokens -> {result.out}",
+        highlight=False,
+        soft_wrap=True,
+    )
