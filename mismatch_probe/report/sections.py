@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mismatch_probe.errors import printable
 from mismatch_probe.metrics.presets import PRESET_COLUMNS, PRESET_PREFIX
 
 # (key, what it means) for the key-metrics table of report.md and the rows of `probe compare`.
@@ -126,8 +127,10 @@ def show_blank(token: str) -> str:
 
 
 def visible(text: str) -> str:
-    """Model text on one line: newlines and tabs shown as ⏎ and ⇥."""
-    return text.replace("\r", "").replace("\n", "⏎").replace("\t", "⇥")
+    """Model text on one line: newlines and tabs shown as ⏎ and ⇥, every other control
+    character (an ANSI escape, a bidi override) escaped as ``\\x1b`` (``errors.printable``).
+    Every renderer passes text from a model, a file or a path through this."""
+    return printable(text.replace("\r", "").replace("\n", "⏎").replace("\t", "⇥"))
 
 
 def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) -> list[tuple]:
