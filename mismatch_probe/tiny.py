@@ -135,6 +135,7 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
 
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     if arch not in ARCHS:
         raise ProbeError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHS)}")
@@ -144,6 +145,8 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = out / f".partial-{arch}-{seed}"
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one shard: a bar would only add noise
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -151,4 +154,6 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
             path.replace(out / path.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            hf_logging.enable_progress_bar()
     return out
