@@ -171,12 +171,13 @@ def test_models_tiny_unwritable(
 
 
 def test_models_tiny_prints_only_the_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: Any
 ) -> None:
+    """File-descriptor capture: the tokenizer trainer (Rust) wrote blank lines to fd 1."""
     out = tmp_path / "tiny"
-    code, _ = run_main(["models", "tiny", str(out)], monkeypatch, capsys)
+    code, _ = run_main(["models", "tiny", str(out)], monkeypatch, capfd)
     assert code == 0
-    assert capsys.readouterr().out == f"{out}\n"  # no blank line before it
+    assert capfd.readouterr().out == f"{out}\n"  # no blank line before it
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
     assert (out / "model.safetensors").is_file()
 
