@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import types
 import typing
 from collections import abc
@@ -87,7 +88,9 @@ def fits(value: Any, hint: Any) -> bool:
         type(None): lambda v: v is None,
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        float: lambda v: (
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        ),
         str: lambda v: isinstance(v, str),
     }
     base = origin or hint
@@ -105,7 +108,7 @@ WORDS = {
     type(None): "null",
     bool: "true or false",
     int: "an integer",
-    float: "a number",
+    float: "a finite number",
     str: "a string",
     list: "a JSON list",
     tuple: "a JSON list",

@@ -207,6 +207,11 @@ CASES = {
                 "vLLM has no engine argument 'max_num_seq' (did you mean max_num_seqs?)",
             ),
             (
+                "gpu_memory_utilization=NaN",
+                "gpu_memory_utilization=NaN",
+                "--vllm-arg gpu_memory_utilization=NaN: expected a finite number",
+            ),
+            (
                 "enforce_eager=1",
                 "enforce_eager=1",
                 "--vllm-arg enforce_eager=1: expected true or false",
