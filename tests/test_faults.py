@@ -529,6 +529,16 @@ def test_non_finite_metrics_json_is_recomputed(
     assert "nan" not in (run / store.REPORT_FILE).read_text().lower()
 
 
+def test_incomplete_metrics_json_is_recomputed(tmp_path: Path) -> None:
+    from mismatch_probe.report import load_run
+
+    run = uniform_run(tmp_path / "run", 0.01, [3, 4])
+    good = json.loads((run / store.METRICS_FILE).read_text())
+    broken = {**good, "curves": {"f_tau": []}}
+    (run / store.METRICS_FILE).write_text(json.dumps(broken))
+    assert load_run(run).curves.keys() == good["curves"].keys()
+
+
 def test_non_finite_throughput_is_left_out(tmp_path: Path) -> None:
     from mismatch_probe.report.settings import _throughput
 

@@ -26,6 +26,9 @@ from mismatch_probe.metrics import MetricsConfig, compute_metrics
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
 CAUSES = {True: "support flip", False: "numeric drift", None: "unknown"}
+# What a stored metrics.json must hold to be reused (else the metrics are recomputed).
+CURVES = ("f_tau", "log_ratio_hist", "position_bins", "prob_hist2d", "rollout_prob_bins",
+          "seq_log_ratio_vs_length", "worst_tokens")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     ok = isinstance(data, dict) and isinstance(data.get("curves"), dict) and "config" in data
+    ok = ok and all(name in data["curves"] for name in CURVES) and "k3_kl" in data
     flat = [v for k, v in data.items() if k not in ("config", "curves")] if ok else []
     numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat)
     return data if ok and numbers else None
