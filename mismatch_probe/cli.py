@@ -14,9 +14,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from mismatch_probe.config import ScanConfig
-from mismatch_probe.errors import ProbeError
+from mismatch_probe.errors import ProbeError, printable
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
     AllowDifferentOpt,
@@ -25,6 +26,7 @@ from mismatch_probe.options import (
     ChatOpt,
     CompareOutOpt,
     FlipEpsOpt,
+    ForceOpt,
     FormatArg,
     FormatOpt,
     IngestModelOpt,
@@ -115,7 +117,13 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
     except ProbeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as exc:  # a disk that fills or a file that vanishes mid-run: one line too
+        from mismatch_probe.store import os_error_reason
+
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"error: {_one_line(os_error_reason(exc) + where)}", file=sys.stderr)
         raise SystemExit(2) from None
     except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
@@ -131,12 +139,17 @@ def main() -> None:
         raise SystemExit(code)
 
 
+def _one_line(text: str) -> str:
+    """An error message as one line, its control characters escaped."""
+    return printable(" ".join(text.split()))
+
+
 # --- reports ----------------------------------------------------------------------------------
 
 
 def _print_paths(console: Console, paths: dict[str, Path]) -> None:
     for name, path in paths.items():
-        console.print(f"  {name:<16} {path}", highlight=False, soft_wrap=True)
+        console.print(Text(f"  {name:<16} {printable(str(path))}"), soft_wrap=True)
 
 
 @app.command()
@@ -249,6 +262,7 @@ def scan(
     vllm_arg: VllmArgOpt = None,
     batch_tokens: BatchTokensOpt = SCAN.batch_tokens,
     flip_eps: FlipEpsOpt = SCAN.flip_eps,
+    force: ForceOpt = SCAN.force,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
@@ -268,12 +282,12 @@ def scan(
         num_prompts=num_prompts,
         samples_per_prompt=samples_per_prompt,
         sampling=sampling,
-        rollout_dtypes=split_list(rollout_dtype),
-        train_dtypes=split_list(train_dtype),
-        kv_cache_dtypes=split_list(kv_cache_dtype),
-        quantizations=split_list(quantization),
+        rollout_dtypes=split_list(rollout_dtype, "--rollout-dtype"),
+        train_dtypes=split_list(train_dtype, "--train-dtype"),
+        kv_cache_dtypes=split_list(kv_cache_dtype, "--kv-cache-dtype"),
+        quantizations=split_list(quantization, "--quantization"),
         lm_head_fp32=parse_on_off(lm_head_fp32, "--lm-head-fp32"),
-        routing_replay=split_list(routing_replay),
+        routing_replay=split_list(routing_replay, "--routing-replay"),
         same_tokens=same_tokens,
         strict=strict,
         chat=chat,
@@ -281,6 +295,7 @@ def scan(
         vllm_args=parse_engine_args(vllm_arg or []),
         batch_tokens=batch_tokens,
         flip_eps=flip_eps,
+        force=force,
     )
     result = run_scan(cfg, Console(stderr=True))
     console = _stdout_console()

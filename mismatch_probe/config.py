@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
@@ -24,6 +25,13 @@ from mismatch_probe.settings import (
 # Support-flip margin by dtype: about one unit in the last place of a probability near 1, so a
 # boundary within either side's rounding error counts as a possible flip.
 FLIP_EPS = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
+# The float options, which must be finite numbers (the engine rejects infinity only after it
+# has started; NaN passes every comparison): option -> its value in a config.
+FLOAT_OPTIONS = {
+    "--temperature": lambda cfg: cfg.sampling.temperature,
+    "--top-p": lambda cfg: cfg.sampling.top_p,
+    "--flip-eps": lambda cfg: cfg.flip_eps,
+}
 
 
 def _check_all(values: tuple[Any, ...], allowed: tuple[Any, ...], option: str) -> None:
@@ -57,9 +65,14 @@ class ScanConfig:
     vllm_args: dict[str, Any] = field(default_factory=dict)
     batch_tokens: int = 2048
     flip_eps: float | None = None  # None: FLIP_EPS[rollout dtype]
+    force: bool = False  # write into an --out that holds a run already
 
     def __post_init__(self) -> None:
         s = self.sampling
+        for option, value in FLOAT_OPTIONS.items():
+            number = value(self)
+            if number is not None and not math.isfinite(number):
+                raise ProbeError(f"{option} must be a finite number, got {number}")
         _check_all(self.rollout_dtypes, DTYPES, "--rollout-dtype")
         _check_all(self.train_dtypes, DTYPES, "--train-dtype")
         _check_all(self.kv_cache_dtypes, KV_CACHE_DTYPES, "--kv-cache-dtype")
@@ -80,6 +93,10 @@ class ScanConfig:
         for ok, message in checks:
             if not ok:
                 raise ProbeError(message)
+        if self.vllm_args:
+            from mismatch_probe.engine_args import check_engine_args
+
+            check_engine_args(self.vllm_args)
 
     def rollout_settings(self) -> list[RolloutSetting]:
         return rollout_settings(
@@ -108,5 +125,8 @@ class ScanConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for name in ("model", "prompts", "out"):  # resolved: the run can be found again
+            if d[name] is not None:
+                d[name] = str(Path(d[name]).resolve())
         d["settings"] = [s.name for s in self.settings()]
         return d

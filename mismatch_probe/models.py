@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe import store
+from mismatch_probe.checkpoint import check_gguf
 from mismatch_probe.errors import ProbeError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -67,9 +69,15 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
     if not gguf.is_file():
         raise ProbeError(f"no such GGUF file: {gguf}")
+    check_gguf(gguf)
+    writable_cache(out.parent)
     kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    except (ValueError, KeyError, OSError, RuntimeError, TypeError, IndexError) as exc:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ProbeError(f"transformers could not read the GGUF file {gguf}: {reason}") from None
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -99,6 +107,15 @@ def resolve_model(path: Path | None) -> Path:
         return out if (out / "config.json").is_file() else convert_gguf(path, out)
     check_causal_lm(path)
     return path
+
+
+def writable_cache(path: Path) -> None:
+    """The model cache can be written (``MISMATCH_PROBE_CACHE`` may name a file or a read-only
+    place): checked before a conversion starts."""
+    try:
+        store.writable_dir(path, "the model cache")
+    except ProbeError as exc:
+        raise ProbeError(f"{exc}; set MISMATCH_PROBE_CACHE to a writable directory") from None
 
 
 def check_causal_lm(path: Path) -> dict[str, Any]:

@@ -260,12 +260,21 @@ OutOpt = Annotated[
     typer.Option("--out", help="Output directory (default: reports/<model>-<timestamp>/)."),
 ]
 
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Write into an --out directory that holds a run already, replacing its files.",
+    ),
+]
+
 VllmArgOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--vllm-arg",
         help="Extra vLLM engine argument key=value (value parsed as JSON when it can be), "
-        "repeatable, e.g. --vllm-arg tensor_parallel_size=2 --vllm-arg kv_cache_dtype=fp8.",
+        "repeatable, e.g. --vllm-arg tensor_parallel_size=2 --vllm-arg max_num_seqs=8. Arguments "
+        "probe sets from its own options (dtype, seed, ...) are refused: use those options.",
     ),
 ]
 

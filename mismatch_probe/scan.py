@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from mismatch_probe import models, rescore, rollout, store
+from mismatch_probe.checkpoint import check_weights
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.progress import make_progress, vllm_progress
@@ -66,6 +67,7 @@ def prepare(cfg: ScanConfig) -> Prepared:
     except (OSError, ValueError, KeyError) as exc:
         reason = " ".join(str(exc).split())[:300]
         raise ProbeError(f"transformers could not load {model_dir}: {reason}") from None
+    check_weights(model_dir)  # what the engine will load, checked before it starts
     routing = stage.prepare(config, cfg.routing_replay)
     context = _context_length(config, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -101,14 +103,13 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     timer = Timer()
     with timer("prepare"):
         prep = prepare(cfg)
+        out = check_out(cfg, cfg.out_dir(prep.model_dir.name))
     with make_progress(console) as progress:
         runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
         if cfg.same_tokens:
             _share_tokens(cfg, prep, runs, timer)
         scored = _rescore_all(cfg, prep, runs, timer, progress)
     with timer("writing"):
-        out = cfg.out_dir(prep.model_dir.name)
-        out.mkdir(parents=True, exist_ok=True)
         run = run_metadata(cfg, prep, runs, timer.seconds)
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
@@ -129,6 +130,19 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     store.write_json(paths["run"], run)
     skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
     return ScanResult(out, paths, run, flat, skipped, report, entries)
+
+
+def check_out(cfg: ScanConfig, out: Path) -> Path:
+    """The output directory, created and proven writable before any engine starts (a scan
+    must not run for minutes to fail at its first write). One that holds a run already is
+    refused unless ``cfg.force``: its files would be replaced."""
+    held = [name for name in (store.RUN_FILE, store.TOKENS_FILE) if (out / name).exists()]
+    if held and not cfg.force:
+        raise ProbeError(
+            f"--out {out} holds a run already ({held[0]}); choose another directory, or give "
+            "--force to replace its files"
+        )
+    return store.writable_dir(out, "--out")
 
 
 @contextmanager

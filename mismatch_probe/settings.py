@@ -78,14 +78,18 @@ class Setting:
         return f"{self.rollout.name} | train={DTYPE_SHORT[self.train_dtype]}{replay}"
 
 
-def split_list(text: str) -> tuple[str, ...]:
-    """``"a, b,a"`` -> ``("a", "b")``: order kept, duplicates dropped (checked by the config)."""
-    return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+def split_list(text: str, option: str) -> tuple[str, ...]:
+    """``"a, b,a"`` -> ``("a", "b")``: order kept, duplicates dropped (values checked by the
+    config); an empty element (``"a,,b"``, ``"a,"``) is an error, not dropped."""
+    values = [v.strip() for v in text.split(",")]
+    if "" in values and text.strip():
+        raise ProbeError(f"{option}: empty element in {text!r}")
+    return tuple(dict.fromkeys(v for v in values if v))
 
 
 def parse_on_off(text: str, option: str) -> tuple[bool, ...]:
     """``"off,on"`` -> ``(False, True)``."""
-    values = split_list(text)
+    values = split_list(text, option)
     bad = [v for v in values if v not in ON_OFF]
     if bad or not values:
         raise ProbeError(f"{option}: expected off, on or off,on, got {text!r}")

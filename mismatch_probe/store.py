@@ -18,8 +18,10 @@ This module knows nothing about vLLM or transformers; it writes and reads tables
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,31 @@ PLOTS_DIR = "plots"
 ROW_GROUP_TOKENS = 65_536
 
 
+def _is_integer(t: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(t))
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t))
+
+
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+# What each known column must hold, checked when a store is opened (readers cast the columns, so
+# strings, lists or fractional ids would otherwise fail deep inside a reader): (test, in words).
+COLUMN_KINDS: dict[str, tuple[Any, str]] = {
+    **{name: (_is_integer, "integers") for name in
+       ("seq_id", "prompt_id", "sample_id", "position", "token_id")},
+    **{name: (_is_number, "numbers") for name in ("rollout_logprob", "train_logprob")},
+    "support_flip": (pa.types.is_boolean, "booleans"),
+    **{name: (_is_text, "text") for name in ("setting", "token_text")},
+}  # fmt: skip
+
+
 def _with_metadata(schema: pa.Schema, run: dict[str, Any]) -> pa.Schema:
     return schema.with_metadata(
         {META_KEY: json.dumps(run, sort_keys=True, default=str), VERSION_KEY: SCHEMA_VERSION}
@@ -90,22 +117,54 @@ def _tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial-{os.getpid()}")
 
 
-def write_table(path: Path, table: pa.Table, schema: pa.Schema, run: dict[str, Any]) -> None:
-    """Write ``table`` to ``path`` atomically, in row groups that never split a sequence.
-
-    The file is written under a hidden temporary name and renamed when complete, so an
-    interrupted write never leaves a file that looks complete; an existing file at ``path``
-    stays as it was until the rename.
-    """
-    table = table.select(schema.names).cast(_with_metadata(schema, run))
+@contextmanager
+def atomic(path: Path) -> Iterator[Path]:
+    """The one way every output file is written: yield a hidden temporary path beside ``path``
+    to write to; when the block completes it is renamed to ``path``, otherwise removed. An
+    interrupted write never leaves a file that looks complete, and an existing file at ``path``
+    stays as it was until the rename."""
     tmp = _tmp_path(path)
     try:
-        with pq.ParquetWriter(tmp, table.schema, compression="zstd") as writer:
-            for start, stop in _sequence_aligned_chunks(table, ROW_GROUP_TOKENS):
-                writer.write_table(table.slice(start, stop - start))
+        yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """Create ``path`` (parents too) and prove it can be written, by writing and removing a
+    probe file: called before any slow work, so an unwritable output fails at once.
+
+    Raises:
+        ProbeError: one line naming ``what`` (e.g. ``--out``) and the reason.
+    """
+    if path.exists() and not path.is_dir():
+        raise ProbeError(f"{what}: {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = _tmp_path(path / ".write-check")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ProbeError(f"{what}: cannot write to {path} ({os_error_reason(exc)})") from None
+    return path
+
+
+def os_error_reason(exc: OSError) -> str:
+    """``Read-only file system``, ``Not a directory: a parent is a file``: an OSError in words."""
+    reason = exc.strerror or type(exc).__name__
+    if isinstance(exc, NotADirectoryError):
+        reason += " (a parent of the path is a file)"
+    return reason
+
+
+def write_table(path: Path, table: pa.Table, schema: pa.Schema, run: dict[str, Any]) -> None:
+    """Write ``table`` to ``path`` atomically (``atomic``), in row groups that never split a
+    sequence."""
+    table = table.select(schema.names).cast(_with_metadata(schema, run))
+    with atomic(path) as tmp, pq.ParquetWriter(tmp, table.schema, compression="zstd") as writer:
+        for start, stop in _sequence_aligned_chunks(table, ROW_GROUP_TOKENS):
+            writer.write_table(table.slice(start, stop - start))
 
 
 def _sequence_aligned_chunks(table: pa.Table, target: int) -> Iterator[tuple[int, int]]:
@@ -125,13 +184,9 @@ def _sequence_aligned_chunks(table: pa.Table, target: int) -> Iterator[tuple[int
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write a text file atomically (temporary name, then rename)."""
-    tmp = _tmp_path(path)
-    try:
+    """Write a text file atomically (``atomic``)."""
+    with atomic(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -142,6 +197,35 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     except ValueError as exc:
         raise ProbeError(f"refusing to write {path.name}: {exc}") from None
     write_text(path, text + "\n")
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number")
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file we wrote, strictly: ``NaN``/``Infinity`` (which strict JSON lacks, and our
+    writer refuses) and numbers that overflow to infinity are errors.
+
+    Raises:
+        OSError: unreadable file; ValueError: not strict, finite JSON (UnicodeDecodeError and
+        JSONDecodeError are ValueErrors).
+    """
+    data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_refuse_constant)
+    if not all_finite(data):
+        raise ValueError(f"{path.name} holds a number too large for a float")
+    return data
+
+
+def all_finite(data: Any) -> bool:
+    """True when every float in a JSON value (dicts and lists walked) is finite."""
+    if isinstance(data, float):
+        return math.isfinite(data)
+    if isinstance(data, dict):
+        return all(all_finite(v) for v in data.values())
+    if isinstance(data, list):
+        return all(all_finite(v) for v in data)
+    return True
 
 
 def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.ParquetFile:
@@ -155,6 +239,10 @@ def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.Par
     missing = [c for c in required if c not in pf.schema_arrow.names]
     if missing:
         raise ProbeError(f"{path} lacks the column(s) {', '.join(missing)}")
+    for field in pf.schema_arrow:
+        test, kind = COLUMN_KINDS.get(field.name, (None, ""))
+        if test is not None and not test(field.type):
+            raise ProbeError(f"{path}: column {field.name} holds {field.type}, not {kind}")
     return pf
 
 

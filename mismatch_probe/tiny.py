@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 
 _CORPUS = """\
@@ -44,6 +45,7 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
         vocab_size=vocab_size,
         special_tokens=_SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its progress lines went to stdout, before the path printed
     )
     tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
@@ -124,17 +126,34 @@ ARCHS: dict[str, Callable[[int, int], Any]] = {
 
 
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors)."""
+    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors).
+
+    ``out`` is checked writable first; the files are saved into a hidden directory inside it and
+    each renamed into place when all are complete, so no partial file has a final name.
+    """
+    import shutil
+
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     if arch not in ARCHS:
         raise ProbeError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    store.writable_dir(out, "OUT")
     tokenizer = build_tokenizer()
     config = ARCHS[arch](len(tokenizer), tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    tmp = out / f".partial-{arch}-{seed}"
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one shard: a bar would only add noise
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for path in sorted(tmp.iterdir()):
+            path.replace(out / path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            hf_logging.enable_progress_bar()
     return out

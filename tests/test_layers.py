@@ -21,8 +21,9 @@ RANKS = {
     "runinfo": 6, "records": 5, "config": 5,  # the scan's metadata and records
     "report": 4, "tables": 4,  # stages: report renders, tables shapes the store's rows
     "routing": 3,
-    "rollout": 2, "rescore": 2, "metrics": 2,
+    "rollout": 2, "rescore": 2, "metrics": 2, "engine_args": 2,
     "sampling": 1, "settings": 1, "prompts": 1, "models": 1, "tiny": 1, "progress": 1,
+    "checkpoint": 0,
     "store": 0,  # the contract between stages
     "errors": -1,
 }  # fmt: skip

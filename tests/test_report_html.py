@@ -117,7 +117,7 @@ def test_model_text_is_inert(rendered) -> None:
     assert "&lt;/details&gt;&lt;/table&gt;" in text
     assert "<img src=x" not in text and "<script" not in text
     assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
-    assert "␛[31mred␇" in text  # control characters shown as their symbols
+    assert "\\x1b[31mred\\x07" in text  # control characters shown as escapes
     assert text.count("</details>") == 1  # only the "every metric" block closes one
 
 

@@ -7,6 +7,7 @@ end-to-end test runs the installed ``probe`` console script in a subprocess on t
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,45 @@ def without_tokenizer(tmp_path: Path, model: Path) -> Path:
     path = tmp_path / "no_tokenizer"
     path.mkdir()
     (path / "config.json").write_text((model / "config.json").read_text())
+    return path
+
+
+def model_copy(tmp_path: Path, model: Path, name: str = "copy") -> Path:
+    """A copy of the tiny model (its weights file to be damaged by the caller)."""
+    import shutil
+
+    return Path(shutil.copytree(model, tmp_path / name))
+
+
+def truncated_weights(tmp_path: Path, model: Path) -> Path:
+    path = model_copy(tmp_path, model)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return path
+
+
+def random_weights(tmp_path: Path, model: Path) -> Path:
+    path = model_copy(tmp_path, model)
+    (path / "model.safetensors").write_bytes(random.Random(0).randbytes(4096))
+    return path
+
+
+def random_gguf(tmp_path: Path, model: Path) -> Path:
+    path = tmp_path / "random.gguf"
+    path.write_bytes(random.Random(1).randbytes(4096))
+    return path
+
+
+def out_is_a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    return path
+
+
+def existing_run(tmp_path: Path) -> Path:
+    path = tmp_path / "old_run"
+    path.mkdir()
+    (path / store.RUN_FILE).write_text("{}")
     return path
 
 
@@ -127,6 +167,95 @@ CASES = {
         lambda tmp, model: ["--model", str(model), "--top-p", "1.5"],
         "--top-p must be in (0, 1]",
     ),
+    # issue 10: output paths, checked before any engine starts
+    "--out is a file": (
+        lambda tmp, model: ["--model", str(model), "--out", str(out_is_a_file(tmp))],
+        "is a file, not a directory",
+    ),
+    "--out under a file": (
+        lambda tmp, model: ["--model", str(model), "--out", str(out_is_a_file(tmp) / "run")],
+        "a parent of the path is a file",
+    ),
+    "--out holds a run": (
+        lambda tmp, model: ["--model", str(model), "--out", str(existing_run(tmp))],
+        "holds a run already (run.json); choose another directory, or give --force",
+    ),
+    # issue 10: --vllm-arg cannot replace what probe sets, and is checked against vLLM's types
+    **{
+        f"--vllm-arg {key}": (
+            lambda tmp, model, arg=arg: ["--model", str(model), "--vllm-arg", arg],
+            expected,
+        )
+        for key, arg, expected in (
+            ("dtype", "dtype=float32", "probe sets dtype itself; use --rollout-dtype"),
+            ("logprobs_mode", "logprobs_mode=raw_logprobs", "use --logprobs-mode"),
+            ("model", "model=/elsewhere", "probe sets model itself; use --model"),
+            ("seed", "seed=7", "probe sets seed itself; use --seed"),
+            ("max_model_len", "max_model_len=64", "probe sets max_model_len itself"),
+            ("generation_config", "generation_config=auto", "use --temperature, --top-p"),
+            ("kv_cache_dtype", "kv_cache_dtype=fp8", "use --kv-cache-dtype"),
+            ("quantization", "quantization=fp8", "use --quantization"),
+            ("hf_overrides", 'hf_overrides={"head_dtype": "float32"}', "use --lm-head-fp32"),
+            (
+                "max_num_seqs=abc",
+                "max_num_seqs=abc",
+                "--vllm-arg max_num_seqs=abc: expected an integer",
+            ),
+            (
+                "unknown",
+                "max_num_seq=4",
+                "vLLM has no engine argument 'max_num_seq' (did you mean max_num_seqs?)",
+            ),
+            (
+                "gpu_memory_utilization=NaN",
+                "gpu_memory_utilization=NaN",
+                "--vllm-arg gpu_memory_utilization=NaN: expected a finite number",
+            ),
+            (
+                "enforce_eager=1",
+                "enforce_eager=1",
+                "--vllm-arg enforce_eager=1: expected true or false",
+            ),
+        )
+    },
+    # issue 10: weights and model files checked before an engine starts
+    "truncated safetensors": (
+        lambda tmp, model: ["--model", str(truncated_weights(tmp, model))],
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "random-bytes safetensors": (
+        lambda tmp, model: ["--model", str(random_weights(tmp, model))],
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "glob characters in the model path": (
+        lambda tmp, model: ["--model", str(model_copy(tmp, model, "tiny[ab]"))],
+        "vLLM cannot load a model from a path holding [, ], * or ?",
+    ),
+    "random-bytes gguf": (
+        lambda tmp, model: ["--model", str(random_gguf(tmp, model))],
+        "random.gguf is not a GGUF file",
+    ),
+    # issue 10: non-finite floats and empty list elements
+    "infinite temperature": (
+        lambda tmp, model: ["--model", str(model), "--temperature", "inf"],
+        "--temperature must be a finite number, got inf",
+    ),
+    "infinite flip eps": (
+        lambda tmp, model: ["--model", str(model), "--flip-eps", "inf"],
+        "--flip-eps must be a finite number",
+    ),
+    "nan top-p": (
+        lambda tmp, model: ["--model", str(model), "--top-p", "nan"],
+        "--top-p must be a finite number",
+    ),
+    "empty dtype element": (
+        lambda tmp, model: ["--model", str(model), "--rollout-dtype", "bfloat16,,float32"],
+        "--rollout-dtype: empty element in 'bfloat16,,float32'",
+    ),
+    "trailing comma": (
+        lambda tmp, model: ["--model", str(model), "--train-dtype", "float32,"],
+        "--train-dtype: empty element",
+    ),
 }
 
 
@@ -141,7 +270,7 @@ def test_bad_input_exits_2_with_one_line(
     make_args, expected = CASES[case]
     out = tmp_path / "out"
     code, err = run_main(
-        ["scan", *make_args(tmp_path, tiny_model), "--out", str(out)], monkeypatch, capsys
+        ["scan", "--out", str(out), *make_args(tmp_path, tiny_model)], monkeypatch, capsys
     )
     assert code == 2
     lines = err.strip().splitlines()

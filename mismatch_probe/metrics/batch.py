@@ -90,7 +90,10 @@ def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """Values (nulls as NaN) and the not-null mask of a numeric column."""
     col = table.column(name)
     valid = np.ones(len(col), dtype=bool) if col.null_count == 0 else ~pc.is_null(col).to_numpy()
-    values = pc.cast(col, pa.float64()).to_numpy()
+    try:
+        values = pc.cast(col, pa.float64()).to_numpy()
+    except pa.ArrowInvalid as exc:
+        raise ProbeError(f"column {name} does not hold numbers ({exc})") from None
     return values, valid
 
 
@@ -98,7 +101,10 @@ def _int_column(table: pa.Table, name: str) -> np.ndarray:
     col = table.column(name)
     if col.null_count:
         raise ProbeError(f"column {name} holds nulls")
-    return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)
+    try:
+        return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)
+    except pa.ArrowInvalid as exc:  # e.g. a uint64 beyond int64
+        raise ProbeError(f"column {name} does not hold int64 integers ({exc})") from None
 
 
 def batch_from_table(table: pa.Table) -> TokenBatch:

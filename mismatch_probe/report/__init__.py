@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import store
+from mismatch_probe.errors import ProbeError
 from mismatch_probe.report.context import RunContext, load_run
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ def load_report(
     from mismatch_probe.report.settings import setting_entries, setting_names
 
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise ProbeError(
+            f"{run_dir} is a file; probe report takes a run directory "
+            "(probe metrics reads a Parquet file)"
+        )
     names = setting_names(run_dir)
     reference = names[0] if len(names) > 1 else None
     given = dict(computed or {})
@@ -81,7 +87,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     from mismatch_probe.report.settings import settings_markdown
     from mismatch_probe.report.trend import write_trend
 
-    run_dir = ctx.run_dir
+    run_dir = store.writable_dir(ctx.run_dir, "run directory")
     paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
     store.write_json(paths["metrics"], ctx.json_dict())
     plots = write_plots(ctx, run_dir / store.PLOTS_DIR)

@@ -30,7 +30,7 @@ from mismatch_probe.report.plots import (
     new_figure,
     save,
 )
-from mismatch_probe.report.sections import KEY_METRICS, fmt
+from mismatch_probe.report.sections import KEY_METRICS, fmt, visible
 
 # What must match for runs to measure the same thing: (what, path in run.json).
 IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -173,7 +173,7 @@ def comparison_table(entries: list[Entry], rows: list[CompareRow]) -> Table:
     table = Table(title="Key metrics (×: ratio to the first run)", title_justify="left")
     table.add_column("metric")
     for i, e in enumerate(entries):
-        table.add_column(e.label, justify="right")
+        table.add_column(Text(visible(e.label)), justify="right")
         if i:
             table.add_column("×", justify="right")
     for row in rows:
@@ -183,7 +183,9 @@ def comparison_table(entries: list[Entry], rows: list[CompareRow]) -> Table:
 
 def render_comparison(comparison: Comparison, console: Console) -> None:
     """The warnings (if any) and the comparison table."""
-    parts: list[RenderableType] = [Text(f"⚠ {w}", style="yellow") for w in comparison.warnings]
+    parts: list[RenderableType] = [
+        Text(f"⚠ {visible(w)}", style="yellow") for w in comparison.warnings
+    ]
     parts.append(comparison_table(list(comparison.entries), comparison.rows))
     console.print(Group(*parts))
 
@@ -228,12 +230,13 @@ def comparison_markdown(
 def write_comparison(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
     """Write the overlaid plots, ``compare.md`` and ``compare.html`` into ``out_dir``; returns
     their paths."""
+    from mismatch_probe.report.html import write_html
+
+    store.writable_dir(out_dir, "--out")
     plots = overlay_plots(list(comparison.entries), out_dir)
     report = out_dir / store.COMPARE_FILE
     text = comparison_markdown(comparison, plots, out_dir)
     store.write_text(report, text)
-    from mismatch_probe.report.html import write_html
-
     html = write_html(text, report, "Mismatch comparison")
     plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
     return {"report": report, "html": html, **plot_paths}

@@ -12,7 +12,6 @@ Sign convention: ``r = train_logprob - rollout_logprob``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,6 +26,9 @@ from mismatch_probe.metrics import MetricsConfig, compute_metrics
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
 CAUSES = {True: "support flip", False: "numeric drift", None: "unknown"}
+# What a stored metrics.json must hold to be reused (else the metrics are recomputed).
+CURVES = ("f_tau", "log_ratio_hist", "position_bins", "prob_hist2d", "rollout_prob_bins",
+          "seq_log_ratio_vs_length", "worst_tokens")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -132,21 +134,26 @@ def _run_metadata(run_dir: Path) -> dict[str, Any]:
     path = run_dir / store.RUN_FILE
     if path.exists():
         try:
-            return dict(json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError, ValueError):
-            raise ProbeError(f"{path} is not valid JSON") from None
+            return dict(store.read_json(path))
+        except (OSError, TypeError, ValueError):
+            raise ProbeError(f"{path} is not valid JSON of finite numbers") from None
     return store.read_run_metadata(run_dir / store.TOKENS_FILE)
 
 
 def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
-    """``metrics.json`` if it exists and has the expected shape, else None."""
+    """``metrics.json`` if it exists, has the expected shape and holds only finite numbers,
+    else None (the metrics are then recomputed from the store: a NaN written by hand or by a
+    foreign tool never reaches a report)."""
     path = run_dir / store.METRICS_FILE
     try:
-        data = json.loads(path.read_text())
+        data = store.read_json(path)
     except (OSError, ValueError):
         return None
     ok = isinstance(data, dict) and isinstance(data.get("curves"), dict) and "config" in data
-    return data if ok else None
+    ok = ok and all(name in data["curves"] for name in CURVES) and "k3_kl" in data
+    flat = [v for k, v in data.items() if k not in ("config", "curves")] if ok else []
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat)
+    return data if ok and numbers else None
 
 
 def _metrics_data(

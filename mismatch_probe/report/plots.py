@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mismatch_probe import store
 from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.config import parse_is
 from mismatch_probe.report.context import RunContext, read_token_probs
@@ -44,7 +45,8 @@ def new_figure() -> tuple[Figure, Axes]:
 def save(fig: Figure, path: Path, title: str, subtitle: str) -> Path:
     fig.suptitle(title, fontsize=11, fontweight="bold")
     fig.axes[0].set_title(subtitle, fontsize=8.5, color="0.35")
-    fig.savefig(path, dpi=DPI)
+    with store.atomic(path) as tmp:  # never a truncated PNG under its final name
+        fig.savefig(tmp, dpi=DPI, format="png")
     return path
 
 

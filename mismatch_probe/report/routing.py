@@ -8,7 +8,6 @@ routing stage), so ``probe report`` redraws them from the run directory alone.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ def load(run_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = store.read_json(path)
     except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         data = None
     if not _well_formed(data):
@@ -38,14 +37,26 @@ def load(run_dir: Path) -> dict[str, Any]:
 
 
 def _well_formed(data: Any) -> bool:
-    """The shape every renderer below relies on."""
+    """The shape every renderer below relies on, checked by computing what each one shows
+    (every line of the section, every plotted value) before anything is written."""
     keys = {"metrics": ("layer_disagreement", "by_differing_layers"), "replay": ("modes",)}
-    return isinstance(data, dict) and all(
+    shaped = isinstance(data, dict) and all(
         isinstance(entry, dict)
         and all(isinstance(entry.get(part), dict) for part in keys)
         and all(k in entry[part] for part, names in keys.items() for k in names)
         for entry in data.values()
     )
+    if not shaped:
+        return False
+    try:
+        summary_lines(data)
+        _sections(data)
+        for entry in data.values():
+            _disagreement_values(entry["metrics"])
+            _by_layers_values(entry["metrics"], entry["replay"])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return False
+    return True
 
 
 def summary_lines(data: dict[str, Any]) -> list[str]:
@@ -71,6 +82,16 @@ def routing_markdown(run_dir: Path) -> str:
         return ""
     lines = ["## MoE routing (engine vs trainer)", ""]
     lines += [f"- {escape(line)}" for line in summary_lines(data)] + [""]
+    lines += _sections(data)
+    for name in (DISAGREEMENT_PNG, BY_LAYERS_PNG):
+        if (run_dir / store.PLOTS_DIR / name).is_file():
+            lines += [f"![{name}]({store.PLOTS_DIR}/{name})", ""]
+    return "\n".join(lines)
+
+
+def _sections(data: dict[str, Any]) -> list[str]:
+    """A ``###`` section per rollout/training pair: disagreement by layer, the split."""
+    lines: list[str] = []
     for label, entry in data.items():
         m = entry["metrics"]
         rows = [
@@ -93,10 +114,7 @@ def routing_markdown(run_dir: Path) -> str:
             for mode, s in entry["replay"]["modes"].items()
         ]
         lines += [*table(["tokens", "count", "k3_kl", "mean abs log-ratio"], split, "lrrr"), ""]
-    for name in (DISAGREEMENT_PNG, BY_LAYERS_PNG):
-        if (run_dir / store.PLOTS_DIR / name).is_file():
-            lines += [f"![{name}]({store.PLOTS_DIR}/{name})", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _num(value: float | None) -> str:
@@ -126,16 +144,13 @@ def write_routing_plots(run_dir: Path) -> dict[str, Path]:
 
 def plot_disagreement_by_layer(metrics: dict[str, Any], path: Path) -> Path:
     """Bars: fraction of response tokens whose expert set differs, per MoE layer."""
+    layers, percent, subtitle = _disagreement_values(metrics)
     fig, ax = new_figure()
-    x = np.arange(len(metrics["moe_layers"]))
-    ax.bar(x, np.asarray(metrics["layer_disagreement"]) * 100, color="tab:red", alpha=0.8)
-    ax.set_xticks(x, [str(layer) for layer in metrics["moe_layers"]])
+    x = np.arange(len(layers))
+    ax.bar(x, percent, color="tab:red", alpha=0.8)
+    ax.set_xticks(x, layers)
     ax.set_xlabel("MoE layer (decoder layer index)")
     ax.set_ylabel("tokens routed differently (%)")
-    subtitle = (
-        f"{metrics['tokens']} response tokens; {metrics['any_layer_differs']:.1%} differ in >= 1 "
-        f"layer; mean Jaccard {metrics['mean_jaccard']:.3f}"
-    )
     return save(fig, path, "Routing disagreement by layer (engine vs trainer)", subtitle)
 
 
@@ -145,17 +160,43 @@ def plot_logratio_by_differing_layers(
     """Mean |log-ratio| of tokens grouped by how many layers route them differently, one bar
     per replay mode (same tokens, same grouping): what forcing the rollout routes (R3) removes
     in each group."""
-    groups = replay.get("by_differing_layers") or {"none": metrics["by_differing_layers"]}
+    groups, counts = _by_layers_values(metrics, replay)
     fig, ax = new_figure()
-    d = np.arange(len(metrics["by_differing_layers"]))
-    width = 0.8 / len(groups)
-    for i, (mode, stats) in enumerate(groups.items()):
-        values = [s["mean_abs_log_ratio"] or 0.0 for s in stats]
+    d = np.arange(len(counts))
+    width = 0.8 / max(len(groups), 1)
+    for i, (mode, values) in enumerate(groups.items()):
         ax.bar(d + (i - (len(groups) - 1) / 2) * width, values, width, label=f"replay={mode}")
-    counts = [s["tokens"] for s in metrics["by_differing_layers"]]
     ax.set_xticks(d, [f"{k}\n({n} tok)" for k, n in zip(d, counts, strict=True)])
     ax.set_xlabel("layers whose routing differs without replay")
     ax.set_ylabel("mean |log-ratio| (nats)")
     ax.legend(fontsize=8)
     subtitle = "r = train_logprob - rollout_logprob; tokens grouped by the no-replay routes"
     return save(fig, path, "|log-ratio| by number of differing layers", subtitle)
+
+
+def _disagreement_values(metrics: dict[str, Any]) -> tuple[list[str], np.ndarray, str]:
+    """(layer labels, percent of tokens routed differently per layer, subtitle)."""
+    layers = [str(int(layer)) for layer in metrics["moe_layers"]]
+    percent = np.asarray(metrics["layer_disagreement"], dtype=np.float64) * 100
+    if percent.shape != (len(layers),):
+        raise ValueError("one disagreement value per MoE layer")
+    subtitle = (
+        f"{int(metrics['tokens'])} response tokens; {float(metrics['any_layer_differs']):.1%} "
+        f"differ in >= 1 layer; mean Jaccard {float(metrics['mean_jaccard']):.3f}"
+    )
+    return layers, percent, subtitle
+
+
+def _by_layers_values(
+    metrics: dict[str, Any], replay: dict[str, Any]
+) -> tuple[dict[str, list[float]], list[int]]:
+    """({replay mode: mean |log-ratio| per differing-layer count}, tokens per count)."""
+    groups = replay.get("by_differing_layers") or {"none": metrics["by_differing_layers"]}
+    counts = [int(s["tokens"]) for s in metrics["by_differing_layers"]]
+    values = {
+        str(mode): [float(s["mean_abs_log_ratio"] or 0.0) for s in stats]
+        for mode, stats in groups.items()
+    }
+    if any(len(v) != len(counts) for v in values.values()):
+        raise ValueError("one value per differing-layer count")
+    return values, counts

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mismatch_probe.errors import printable
 from mismatch_probe.metrics.presets import PRESET_COLUMNS, PRESET_PREFIX
 
 # (key, what it means) for the key-metrics table of report.md and the rows of `probe compare`.
@@ -127,16 +128,11 @@ def show_blank(token: str) -> str:
 
 # Other control characters as their Unicode pictures (U+2400 + code, ␡ for DEL), C1 controls
 # and bidi overrides as U+FFFD: model text can neither hide nor reorder what a report shows.
-_CONTROLS = {c: 0x2400 + c for c in (*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20))}
-_CONTROLS |= {0x7F: 0x2421} | {c: 0xFFFD for c in range(0x80, 0xA0)}
-_CONTROLS |= {c: 0xFFFD for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
-
-
 def visible(text: str) -> str:
-    """Model text on one line: newlines and tabs shown as ⏎ and ⇥, other control characters
-    as visible symbols."""
-    text = text.replace("\r", "").replace("\n", "⏎").replace("\t", "⇥")
-    return text.translate(_CONTROLS)
+    """Model text on one line: newlines and tabs shown as ⏎ and ⇥, every other control
+    character (an ANSI escape, a bidi override) escaped as ``\\x1b`` (``errors.printable``).
+    Every renderer passes text from a model, a file or a path through this."""
+    return printable(text.replace("\r", "").replace("\n", "⏎").replace("\t", "⇥"))
 
 
 def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) -> list[tuple]:

@@ -8,7 +8,6 @@ during the scan (``settings.json``), a recommendation line, and the overlaid plo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from mismatch_probe import store
 from mismatch_probe.report.compare import Entry, compare_rows, comparison_table, overlay_plots
 from mismatch_probe.report.compare import row_cells as compare_row_cells
 from mismatch_probe.report.markdown import escape, table
+from mismatch_probe.report.sections import visible
 
 
 def setting_names(run_dir: Path) -> list[str]:
@@ -71,7 +71,7 @@ def render_settings(entries: list[Entry], console: Console) -> None:
     """The settings table (ratio to the least-mismatch setting) and the recommendation."""
     table_ = comparison_table(entries, compare_rows(entries))
     table_.title = "Settings, least mismatch first (×: ratio to the first)"
-    console.print(Group(table_, Text(recommendation(entries), style="bold")))
+    console.print(Group(table_, Text(visible(recommendation(entries)), style="bold")))
 
 
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
@@ -103,17 +103,31 @@ def _speed_cells(speeds: list[Any]) -> list[str]:
 
 
 def _run_json(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / store.RUN_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """``run.json`` ({} when missing or unreadable: it only orders the settings here)."""
+    data = _read(run_dir / store.RUN_FILE)
+    return data if isinstance(data, dict) else {}
 
 
 def _throughput(run_dir: Path) -> dict[str, float]:
-    path = run_dir / store.SETTINGS_FILE
-    if not path.is_file():
+    """Each setting's rollout tokens/s from ``settings.json``; a missing, corrupt or
+    non-finite value is left out (never copied into a report)."""
+    data = _read(run_dir / store.SETTINGS_FILE)
+    settings = data.get("settings") if isinstance(data, dict) else None
+    if not isinstance(settings, dict):
         return {}
-    settings = json.loads(path.read_text()).get("settings", {})
-    return {
-        name: float(m["rollout_tokens_per_s"])
-        for name, m in settings.items()
-        if "rollout_tokens_per_s" in m
+    speeds = {
+        name: m.get("rollout_tokens_per_s") for name, m in settings.items() if isinstance(m, dict)
     }
+    return {
+        name: float(v)
+        for name, v in speeds.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+def _read(path: Path) -> Any:
+    """A JSON file of the run (strict: no NaN or infinity), None when missing or corrupt."""
+    try:
+        return store.read_json(path)
+    except (OSError, ValueError):
+        return None

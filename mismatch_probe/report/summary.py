@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from mismatch_probe import store
 from mismatch_probe.report.routing import load, summary_lines
+from mismatch_probe.report.sections import visible
 
 
 class ScanOutcome(Protocol):
@@ -58,28 +61,30 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
     run = result.run
     sampling = run["sampling"]
     console.print(
-        f"[bold]mismatch_probe[/] {run['model']['name']}  logprobs={sampling['logprobs_mode']}  "
+        f"[bold]mismatch_probe[/] {_safe(run['model']['name'])}  "
+        f"logprobs={sampling['logprobs_mode']}  "
         f"T={sampling['temperature']} top_p={sampling['top_p']} top_k={sampling['top_k']}"
     )
     ranked = sorted(result.settings.items(), key=lambda item: item[1]["k3_kl"])
     console.print(settings_table(ranked))
     for name, reason in result.skipped.items():
-        console.print(f"[yellow]skipped[/] {name}: {reason}", highlight=False)
+        console.print(f"[yellow]skipped[/] {_safe(name)}: {_safe(reason)}", highlight=False)
     if len(ranked) > 1:
         best, metrics = ranked[0]
         console.print(
-            f"lowest mismatch: [bold]{best}[/] (k3_kl {metrics['k3_kl']:.2e}, "
+            f"lowest mismatch: [bold]{_safe(best)}[/] (k3_kl {metrics['k3_kl']:.2e}, "
             f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
             highlight=False,
         )
     for line in summary_lines(load(result.out_dir)):
-        console.print(line, highlight=False)
+        console.print(Text(visible(line)), highlight=False)
     console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
         if not name.startswith("plot_"):
-            console.print(f"  {name:<10} {path}", highlight=False, soft_wrap=True)
+            console.print(Text(f"  {name:<10} {visible(str(path))}"), soft_wrap=True)
     if any(name.startswith("plot_") for name in result.paths):
-        console.print(f"  {'plots':<10} {result.out_dir / store.PLOTS_DIR}/", highlight=False)
+        plots = visible(str(result.out_dir / store.PLOTS_DIR))
+        console.print(Text(f"  {'plots':<10} {plots}/"))
 
 
 def settings_table(ranked: list[tuple[str, dict[str, Any]]]) -> Table:
@@ -89,8 +94,13 @@ def settings_table(ranked: list[tuple[str, dict[str, Any]]]) -> Table:
         table.add_column(header, justify="right", no_wrap=True)
     for name, metrics in ranked:
         cells = [fmt.format(metrics[key]) if key in metrics else "-" for key, _, fmt in KEY_METRICS]
-        table.add_row(name, *cells)
+        table.add_row(Text(visible(name)), *cells)
     return table
+
+
+def _safe(text: Any) -> str:
+    """Text from a file or a model, inert inside rich markup."""
+    return escape(visible(str(text)))
 
 
 def _timings_line(timings: dict[str, float]) -> str:

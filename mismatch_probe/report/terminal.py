@@ -40,7 +40,7 @@ def header(ctx: RunContext) -> Text:
     text = Text("mismatch_probe report\n", style="bold")
     for name, value in rows:
         text.append(f"  {name:<16}", style="bold")
-        text.append(f"{value}\n")
+        text.append(f"{visible(str(value))}\n")
     text.rstrip()
     return text
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mismatch_probe import store
 from mismatch_probe.report.plots import DPI
 from mismatch_probe.report.trend import Trend, label, threshold_of
 
@@ -50,5 +51,6 @@ def write_trend_plot(trend: Trend, path: Path, subtitle: str) -> Path:
     axes[-1].set_xlabel("training step")
     fig.suptitle("Mismatch against training step", fontsize=11, fontweight="bold")
     top.set_title(subtitle, fontsize=8.5, color="0.35")
-    fig.savefig(path, dpi=DPI)
+    with store.atomic(path) as tmp:  # never a truncated PNG under its final name
+        fig.savefig(tmp, dpi=DPI, format="png")
     return path
