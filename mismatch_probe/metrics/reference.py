@@ -290,6 +290,7 @@ def to_table(d: Dense) -> pa.Table:
 def reference_metrics(d: Dense, config: MetricsConfig) -> MetricsResult:
     """Every metric of ``config`` on the dense batch ``d`` (same keys as ``compute_metrics``)."""
     from mismatch_probe.metrics.reference_diag import diagnostic_curves, diagnostic_metrics
+    from mismatch_probe.metrics.reference_parity import parity_metrics
 
     valid = d.m.sum(-1) > 0
     out = {
@@ -302,6 +303,7 @@ def reference_metrics(d: Dense, config: MetricsConfig) -> MetricsResult:
     if config.rs_specs:
         out.update(rs_metrics(d, config.rs_specs)[0])
     out.update(offpolicy_metrics(d))
+    out.update(parity_metrics(d))
     out.update(diagnostic_metrics(d))
     for preset in config.preset_specs:
         out.update(preset_metrics(d, preset))
