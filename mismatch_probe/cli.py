@@ -18,6 +18,7 @@ from rich.console import Console
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.options import (
+    AttributeOpt,
     BatchNormalizeOpt,
     BatchTokensOpt,
     ChatOpt,
@@ -47,6 +48,7 @@ from mismatch_probe.options import (
     SamplesOpt,
     SeedOpt,
     SettingOpt,
+    StaleModelOpt,
     StrictOpt,
     TemperatureOpt,
     TopKOpt,
@@ -231,7 +233,7 @@ def scan(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = -1,
     seed: SeedOpt = 0,
-    logprobs_mode: LogprobsModeOpt = "processed",
+    logprobs_mode: LogprobsModeOpt = None,
     rollout_dtype: RolloutDtypeOpt = "bfloat16",
     train_dtype: TrainDtypeOpt = "float32",
     kv_cache_dtype: KvCacheDtypeOpt = "auto",
@@ -245,8 +247,11 @@ def scan(
     vllm_arg: VllmArgOpt = None,
     batch_tokens: BatchTokensOpt = 2048,
     flip_eps: FlipEpsOpt = None,
+    attribute: AttributeOpt = False,
+    stale_model: StaleModelOpt = None,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure."""
+    from mismatch_probe.batch_invariant import split_args
     from mismatch_probe.config import ScanConfig
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.rollout import parse_engine_args
@@ -255,9 +260,11 @@ def scan(
     from mismatch_probe.settings import parse_on_off, split_list
     from mismatch_probe.summary import render_summary
 
+    logprobs_mode = logprobs_mode or ("raw" if attribute else "processed")
     if logprobs_mode not in ("processed", "raw"):
         raise ProbeError(f"--logprobs-mode: processed or raw, got {logprobs_mode!r}")
     sampling = SamplingSpec(temperature, top_p, top_k, max_tokens, seed, logprobs_mode)  # type: ignore[arg-type]
+    engine_args, batch_invariant = split_args(parse_engine_args(vllm_arg or []))
     cfg = ScanConfig(
         model=model,
         prompts=prompts,
@@ -274,9 +281,12 @@ def scan(
         strict=strict,
         chat=chat,
         out=out,
-        vllm_args=parse_engine_args(vllm_arg or []),
+        vllm_args=engine_args,
         batch_tokens=batch_tokens,
         flip_eps=flip_eps,
+        attribute=attribute,
+        stale_model=stale_model,
+        batch_invariant=batch_invariant,
     )
     result = run_scan(cfg, Console(stderr=True))
     console = _stdout_console()

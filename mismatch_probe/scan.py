@@ -25,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from mismatch_probe import models, rescore, rollout, store
+from mismatch_probe import attribution, batch_invariant, models, rescore, rollout, store
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.progress import make_progress, vllm_progress
@@ -73,6 +73,7 @@ class RolloutRun:
     generation_seconds: float = 0.0
     skipped: str | None = None
     routes: list[Any] | None = None  # MoE: the engine's routes of each rollout
+    rungs: Any = None  # --attribute: attribution.EngineRungs (engine prefill, batched / single)
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +90,7 @@ class Rescored:
     rollout_routes: list[Any] | None = None  # per sequence [T, L, K] expert ids (engine)
     train_routes: list[Any] | None = None  # same shapes, training router's own choices
     seq_offset: int = 0  # added to each rollout's seq_id in the store (unique across settings)
+    rungs: dict[str, Any] | None = None  # --attribute: rung column -> [N] float32 (or None)
 
 
 @dataclass
@@ -147,6 +149,8 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     ``metrics.json``, ``settings.json``, ``run.json`` and the reports into the output
     directory (plus ``routing.parquet`` and ``routing.json`` for a mixture-of-experts model)."""
     timer = Timer()
+    attribution.check(cfg)
+    invariant = batch_invariant.check(cfg.batch_invariant)
     with timer("prepare"):
         prep = prepare(cfg)
     with make_progress(console) as progress:
@@ -158,6 +162,7 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         out = cfg.out_dir(prep.model_dir.name)
         out.mkdir(parents=True, exist_ok=True)
         run = run_metadata(cfg, prep, runs, timer.seconds)
+        run["batch_invariant"] = invariant
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
             paths.update(stage.write_routing(out, scored, prep.routing, run))
@@ -195,6 +200,7 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
             )
             if prep.routing is not None:
                 stack.enter_context(stage.engine_env(prep.routing))
+            stack.enter_context(batch_invariant.engine_env(cfg.batch_invariant))
             llm = stack.enter_context(
                 rollout.engine({**kwargs, **stage.engine_kwargs(prep.routing)})
             )
@@ -228,6 +234,9 @@ def _generate(
         )
         run.generation_seconds = time.perf_counter() - start
         timer.seconds["generation"] = timer.seconds.get("generation", 0.0) + run.generation_seconds
+        if cfg.attribute:
+            with timer("attribution_prefill"):
+                run.rungs = attribution.engine_rungs(llm, run.rollouts)
         if prep.routing is not None and not cfg.same_tokens:
             with timer("route_capture"):
                 run.routes = stage.capture(llm, run.rollouts, prep.routing)
@@ -248,6 +257,9 @@ def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer
                 start = time.perf_counter()
                 scores = rollout.score_forced(llm, reference)
                 run.generation_seconds = time.perf_counter() - start
+            if cfg.attribute:
+                with timer("attribution_prefill"):
+                    run.rungs = attribution.engine_rungs(llm, reference)
             if prep.routing is not None:
                 with timer("route_capture"):
                     run.routes = stage.capture(llm, reference, prep.routing)
@@ -279,6 +291,9 @@ def _rescore_all(
     offset = 0
     for rescored in ordered.values():  # each setting gets its own seq_id range
         rescored.seq_offset, offset = offset, offset + len(rescored.rollouts)
+    if cfg.attribute:
+        with timer("attribution_rescoring"):
+            attribution.add_train_rungs(cfg, prep, done, ordered)
     return ordered
 
 
@@ -313,9 +328,11 @@ def write_store(
     paths = {"tokens": out / store.TOKENS_FILE, "sequences": out / store.SEQUENCES_FILE}
     tokens, sequences = [], []
     for setting, r in scored.items():
-        tokens.append(token_table(setting.name, r.rollouts, r.scored, tokenizer, r.seq_offset))
+        table = token_table(setting.name, r.rollouts, r.scored, tokenizer, r.seq_offset)
+        tokens.append(attribution.with_rungs(table, r.rungs) if r.rungs else table)
         sequences.append(sequence_table(setting.name, r.rollouts, tokenizer, r.seq_offset))
-    store.write_table(paths["tokens"], pa.concat_tables(tokens), store.TOKEN_SCHEMA, run)
+    table = pa.concat_tables(tokens, promote_options="default")
+    store.write_table(paths["tokens"], table, store.token_schema(table.column_names), run)
     store.write_table(paths["sequences"], pa.concat_tables(sequences), store.SEQUENCE_SCHEMA, run)
     return paths
 

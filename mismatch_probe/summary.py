@@ -28,9 +28,11 @@ PHASES = (
     "engine_start",
     "generation",
     "forced_scoring",
+    "attribution_prefill",
     "engine_stop",
     "model_load",
     "rescoring",
+    "attribution_rescoring",
     "writing",
     "route_capture",
     "metrics",
@@ -57,10 +59,12 @@ def render_summary(result: ScanResult, console: Console) -> None:
             f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
             highlight=False,
         )
+    from mismatch_probe.report import attribution
     from mismatch_probe.routing.report import load, summary_lines
 
     for line in summary_lines(load(result.out_dir)):
         console.print(line, highlight=False)
+    attribution.render(result.out_dir, console)
     console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
         if not name.startswith("plot_"):

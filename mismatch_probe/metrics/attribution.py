@@ -18,7 +18,7 @@ one valid token; a token enters a link when both rungs are non-null.
 
 Per link, over its tokens: ``k3 = mmean(exp(r) - r - 1)`` (unclamped, capped at the largest
 float64 like ``k3_kl``), ``mean_abs = mmean(|r|)``, ``p99_abs`` (nearest-rank 99th percentile of
-``|r|`` from a log-spaced histogram: within ``P99_RELATIVE_RESOLUTION`` of the exact value, exactly 0
+``|r|`` from a log-spaced histogram: within ``P99_RELATIVE_RESOLUTION`` of the exact value, 0
 when the rank falls on zeros, never above ``max_abs``), ``max_abs``, ``bitwise_identical_fraction``
 (``mmean(r == 0)``) and ``share = mmean(r^2) / sum over applying links of mmean(r_link^2)``
 (cross terms left out: shares describe magnitudes, not a variance split). ``dominant`` is the
@@ -43,14 +43,17 @@ import pyarrow.compute as pc
 from mismatch_probe.metrics.accum import capped, mmean
 from mismatch_probe.metrics.batch import LOGPROB_FLOOR
 from mismatch_probe.metrics.offpolicy import k3_terms
-from mismatch_probe.store import iter_sequence_batches, open_parquet, resolve_tokens_path
+from mismatch_probe.store import (
+    RUNG_FIELDS,
+    iter_sequence_batches,
+    open_parquet,
+    resolve_tokens_path,
+)
 
 ROLLOUT, TRAIN = "rollout_logprob", "train_logprob"
-PREFILL, PREFILL_SINGLE = "engine_prefill_logprob", "engine_prefill_single_logprob"
-TRAIN_ROLLOUT_DTYPE, STALE = "train_rollout_dtype_logprob", "stale_logprob"
-NO_REPLAY = "train_no_replay_logprob"
+RUNG_COLUMNS = tuple(f.name for f in RUNG_FIELDS)
+PREFILL, PREFILL_SINGLE, TRAIN_ROLLOUT_DTYPE, STALE, NO_REPLAY = RUNG_COLUMNS
 L4 = "_l4"  # derived rung: train_no_replay_logprob where present, else train_logprob
-RUNG_COLUMNS = (PREFILL, PREFILL_SINGLE, TRAIN_ROLLOUT_DTYPE, STALE, NO_REPLAY)
 
 
 @dataclass(frozen=True)

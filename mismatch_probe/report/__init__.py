@@ -74,18 +74,25 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
         text += "\n" + settings_markdown(entries, ctx.run_dir)
     routing = routing_markdown(ctx.run_dir)
     text += "\n" + routing if routing else ""
+    from mismatch_probe.report import attribution
+
+    attribution_paths, attribution_md = attribution.outputs(ctx.run_dir)
+    text += "\n" + attribution_md if attribution_md else ""
     store.write_text(paths["report"], text)
-    return {**paths, **{f"plot_{name}": path for name, (path, _) in plots.items()}}
+    plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
+    return {**paths, **plot_paths, **attribution_paths}
 
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """The terminal report, then the settings side by side for a matrix run."""
+    from mismatch_probe.report import attribution
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
 
     render_run(ctx, console)
     if entries:
         render_settings(entries, console)
+    attribution.render(ctx.run_dir, console)
 
 
 def write_report(run_dir: Path, metrics_config: MetricsConfig | None = None) -> dict[str, Path]:
