@@ -1,4 +1,5 @@
-"""Run the benchmarks: ``python -m mismatch_probe.bench [rescoring] [scan] [metrics]``."""
+"""Run the benchmarks:
+``python -m mismatch_probe.bench [rescoring] [scan] [metrics] [attribution]``."""
 
 from __future__ import annotations
 
@@ -34,10 +35,17 @@ def _metrics() -> dict[str, Any]:
     return bench_metrics()
 
 
+def _attribution() -> dict[str, Any]:
+    from mismatch_probe.bench.attribution import bench_attribution
+
+    return bench_attribution()
+
+
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "scan": _scan,
     "metrics": _metrics,
+    "attribution": _attribution,
 }
 
 

@@ -115,7 +115,13 @@ def dominant_line(setting: str, result: dict[str, Any]) -> str:
 
 def terminal_table(data: Attribution) -> Table:
     """setting | link | k3 | mean |r| | p99 |r| | max |r| | bitwise = | share."""
-    out = Table(title="Attribution (links along the spec's path)", title_justify="left")
+    out = Table(
+        title="Attribution (links along the spec's path)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+        header_style="bold",
+    )
     out.add_column("setting", no_wrap=True)
     out.add_column("link", no_wrap=True)
     for _, header, _ in COLUMNS:
@@ -167,7 +173,7 @@ def outputs(run_dir: Path) -> tuple[dict[str, Path], str]:
     return paths, markdown_section(data, paths.get("plot_attribution"), run_dir)
 
 
-def compare_rows(labels: list[str], run_dirs: list[Path]) -> list[list[str]]:
+def compare_rows(run_dirs: list[Path]) -> list[list[str]]:
     """``[link, share of run 1, share of run 2, ...]`` (each run's first setting; "—" when a
     link does not apply), plus a row naming each run's dominant link; [] when no run has any."""
     firsts = [next(iter(load(d).values()), None) for d in run_dirs]
