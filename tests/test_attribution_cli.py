@@ -38,6 +38,11 @@ def prompts_file(tmp_path: Path) -> Path:
 REFUSALS = {
     "processed mode": (["--attribute", "--logprobs-mode", "processed"], {}, "needs raw log-prob"),
     "stale without attribute": (["--stale-model", "."], {}, "--stale-model needs --attribute"),
+    "missing stale model": (
+        ["--attribute", "--stale-model", "/no/such/checkpoint"],
+        {},
+        "model path does not exist",
+    ),
     "batch invariant arg": (
         ["--vllm-arg", "VLLM_BATCH_INVARIANT=1"],
         {},
