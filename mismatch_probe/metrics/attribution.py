@@ -18,7 +18,8 @@ one valid token; a token enters a link when both rungs are non-null.
 
 Per link, over its tokens: ``k3 = mmean(exp(r) - r - 1)`` (unclamped, capped at the largest
 float64 like ``k3_kl``), ``mean_abs = mmean(|r|)``, ``p99_abs`` (nearest-rank 99th percentile of
-``|r|`` from a log-spaced histogram: within ``P99_RELATIVE_RESOLUTION`` of the exact value, 0
+``|r|`` from a log-spaced histogram: within ``P99_RELATIVE_RESOLUTION`` above the exact value
+from 1e-12 up, 0
 when the rank falls on zeros, never above ``max_abs``), ``max_abs``, ``bitwise_identical_fraction``
 (``mmean(r == 0)``) and ``share = mmean(r^2) / sum over applying links of mmean(r_link^2)``
 (cross terms left out: shares describe magnitudes, not a variance split). ``dominant`` is the
@@ -87,11 +88,11 @@ _UPPER_EDGES = P99_LOW * 10 ** (np.arange(1, _NBINS + 1) / P99_BINS_PER_DECADE)
 
 
 def abs_bin(x: np.ndarray) -> np.ndarray:
-    """Histogram bin of each ``|r|`` (``[k] -> [k]``): 0 for exactly 0, else ``1 + i`` where
-    ``i`` is the log-spaced bin (values outside ``[P99_LOW, P99_HIGH]`` go to the end bins)."""
-    with np.errstate(divide="ignore"):
-        i = np.floor(np.log10(np.maximum(x, P99_LOW) / P99_LOW) * P99_BINS_PER_DECADE)
-    return np.where(x == 0.0, 0, 1 + np.clip(i, 0, _NBINS - 1).astype(np.int64))
+    """Histogram bin of each ``|r|`` (``[k] -> [k]``): 0 for exactly 0, else ``1 + i`` with
+    ``i`` the first log-spaced bin whose upper edge is above ``x`` (exact comparisons, so a
+    value is always below its bin's upper edge; values past ``P99_HIGH`` go to the last bin)."""
+    i = np.minimum(np.searchsorted(_UPPER_EDGES, x, side="right"), _NBINS - 1)
+    return np.where(x == 0.0, 0, 1 + i)
 
 
 class LinkStats:
@@ -207,7 +208,7 @@ def compute_attribution(path: Path | str) -> dict[str, dict[str, Any]]:
     names = open_parquet(path).schema_arrow.names
     if not has_rungs(names):
         return {}
-    cols = [c for c in ("setting", "position", ROLLOUT, TRAIN, *RUNG_COLUMNS) if c in names]
+    cols = [c for c in ("setting", ROLLOUT, TRAIN, *RUNG_COLUMNS) if c in names]
     acc: dict[str, AttributionAccumulator] = {}
     for table in iter_sequence_batches(path, cols):
         for setting, part in _by_setting(table):
