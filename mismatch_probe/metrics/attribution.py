@@ -20,10 +20,10 @@ Per link, over its tokens: ``k3 = mmean(exp(r) - r - 1)`` (unclamped, capped at 
 float64 like ``k3_kl``), ``mean_abs = mmean(|r|)``, ``p99_abs`` (nearest-rank 99th percentile of
 ``|r|`` from a log-spaced histogram: at most ``P99_RELATIVE_RESOLUTION`` above the exact value
 from 1e-12 up, 0 when the rank falls on zeros, never above ``max_abs``), ``max_abs``,
-``bitwise_identical_fraction``
-(``mmean(r == 0)``) and ``share = mmean(r^2) / sum over applying links of mmean(r_link^2)``
-(cross terms left out: shares describe magnitudes, not a variance split). ``dominant`` is the
-link of largest share, None when every link is exactly zero.
+``bitwise_identical_fraction`` (``mmean(r == 0)``) and ``share = mmean(r^2) / sum over
+applying links of mmean(r_link^2)`` (cross terms left out: shares describe magnitudes, not a
+variance split). ``dominant`` is the link of largest share, None when every link is exactly
+zero.
 
 The split depends on the path (another order of rungs splits the total differently); reports
 say so. Memory is bounded: per (setting, link) a few sums and one fixed histogram.
