@@ -42,7 +42,7 @@ from .conftest import TINY_CONTEXT
 pytestmark = pytest.mark.engine
 
 TEXTS = ["What is the capital of France?", "Solve for x: 3x + 5 = 20.", "def add(a, b):", "Hi"]
-SPEC = SamplingSpec(max_tokens=24, logprobs_mode="raw")
+SPEC = SamplingSpec(max_tokens=16, logprobs_mode="raw")
 TELESCOPE_ATOL = 1e-6  # the attribution spec's promise
 FP32_LINK_MAX = 1e-3  # the spec's fp32 identity bound on |r|
 FP16_VS_FP32_BITS = 23 - 10
@@ -140,7 +140,7 @@ def check_telescoping(path: Path) -> None:
     total = sum(ratios[k][0] for k in MISMATCH_LINKS if k in ratios)
     train = table.column("train_logprob").to_numpy().astype(np.float64)
     roll = table.column("rollout_logprob").to_numpy().astype(np.float64)
-    assert len(train) > 40
+    assert len(train) > 2 * len(TEXTS)  # several tokens per response
     np.testing.assert_allclose(total, train - roll, rtol=0, atol=TELESCOPE_ATOL)
 
 
