@@ -21,6 +21,7 @@ from mismatch_probe.errors import ProbeError, printable
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
     AllowDifferentOpt,
+    AttributeOpt,
     BaselineOpt,
     BatchTokensOpt,
     ChatOpt,
@@ -53,6 +54,7 @@ from mismatch_probe.options import (
     SettingOpt,
     SignificanceOpt,
     SourceArg,
+    StaleModelOpt,
     StepOpt,
     StepsOpt,
     StrictOpt,
@@ -248,7 +250,7 @@ def scan(
     top_p: TopPOpt = SCAN.sampling.top_p,
     top_k: TopKOpt = SCAN.sampling.top_k,
     seed: SeedOpt = SCAN.sampling.seed,
-    logprobs_mode: LogprobsModeOpt = SCAN.sampling.logprobs_mode,
+    logprobs_mode: LogprobsModeOpt = None,
     rollout_dtype: RolloutDtypeOpt = ",".join(SCAN.rollout_dtypes),
     train_dtype: TrainDtypeOpt = ",".join(SCAN.train_dtypes),
     kv_cache_dtype: KvCacheDtypeOpt = ",".join(SCAN.kv_cache_dtypes),
@@ -263,19 +265,26 @@ def scan(
     batch_tokens: BatchTokensOpt = SCAN.batch_tokens,
     flip_eps: FlipEpsOpt = SCAN.flip_eps,
     force: ForceOpt = SCAN.force,
+    attribute: AttributeOpt = SCAN.attribute,
+    stale_model: StaleModelOpt = SCAN.stale_model,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
     Defaults and validation come from ``ScanConfig`` and ``SamplingSpec``: the library and the
-    command line cannot disagree.
+    command line cannot disagree. ``--logprobs-mode`` unset means the library's default mode, or
+    raw with ``--attribute`` (which needs raw log-probs at every rung).
     """
+    from mismatch_probe.batch_invariant import split_args
     from mismatch_probe.report.summary import render_summary
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.rollout import parse_engine_args
     from mismatch_probe.scan import run_scan
     from mismatch_probe.settings import parse_on_off, split_list
 
+    if logprobs_mode is None:
+        logprobs_mode = "raw" if attribute else SCAN.sampling.logprobs_mode
     sampling = SamplingSpec(temperature, top_p, top_k, max_tokens, seed, logprobs_mode)  # type: ignore[arg-type]
+    engine_args, batch_invariant = split_args(parse_engine_args(vllm_arg or []))
     cfg = ScanConfig(
         model=model,
         prompts=prompts,
@@ -292,10 +301,13 @@ def scan(
         strict=strict,
         chat=chat,
         out=out,
-        vllm_args=parse_engine_args(vllm_arg or []),
+        vllm_args=engine_args,
         batch_tokens=batch_tokens,
         flip_eps=flip_eps,
         force=force,
+        attribute=attribute,
+        stale_model=stale_model,
+        batch_invariant=batch_invariant,
     )
     result = run_scan(cfg, Console(stderr=True))
     console = _stdout_console()

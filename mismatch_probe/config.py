@@ -66,6 +66,9 @@ class ScanConfig:
     batch_tokens: int = 2048
     flip_eps: float | None = None  # None: FLIP_EPS[rollout dtype]
     force: bool = False  # write into an --out that holds a run already
+    attribute: bool = False  # score the same tokens at every rung (attribution spec)
+    stale_model: Path | None = None  # --attribute: a later checkpoint (the staleness rung)
+    batch_invariant: bool = False  # --vllm-arg VLLM_BATCH_INVARIANT=1 (set around engine starts)
 
     def __post_init__(self) -> None:
         s = self.sampling

@@ -176,11 +176,12 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely to
 SeedOpt = Annotated[int, typer.Option("--seed", help="Base seed; each request gets its own.")]
 
 LogprobsModeOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--logprobs-mode",
         help="processed: log-probs after temperature/top-k/top-p (what RL frameworks use); "
-        "raw: before any processing. The rescoring follows the same mode.",
+        "raw: before any processing. The rescoring follows the same mode. Default: processed "
+        "(raw with --attribute, which needs it).",
     ),
 ]
 
@@ -275,6 +276,25 @@ VllmArgOpt = Annotated[
         help="Extra vLLM engine argument key=value (value parsed as JSON when it can be), "
         "repeatable, e.g. --vllm-arg tensor_parallel_size=2 --vllm-arg max_num_seqs=8. Arguments "
         "probe sets from its own options (dtype, seed, ...) are refused: use those options.",
+    ),
+]
+
+AttributeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--attribute",
+        help="Also score the same tokens at every rung (engine prefill batched and one at a "
+        "time, transformers at the rollout dtype) and split the mismatch into links: "
+        "attribution.json, a report section and plots/attribution.png. Scans in raw mode.",
+    ),
+]
+
+StaleModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--stale-model",
+        help="With --attribute: a second checkpoint (e.g. the next training step) rescoring the "
+        "same tokens at the training dtype; adds the staleness link.",
     ),
 ]
 

@@ -36,6 +36,15 @@ class Prepared:
 
 
 @dataclass
+class EngineRungs:
+    """``--attribute``: per rollout, ``[R]`` engine prefill log-probabilities of its response
+    tokens (the attribution spec's rungs L1 and L2)."""
+
+    batched: list[list[float]]  # L1: every sequence in one batched prefill
+    single: list[list[float]]  # L2: one sequence per engine step
+
+
+@dataclass
 class RolloutRun:
     """One rollout setting's engine run (or why it was skipped).
 
@@ -50,6 +59,7 @@ class RolloutRun:
     routes: list[np.ndarray] | None = None  # MoE: per rollout [P + R - 1, L, K] expert ids
     engine_args: dict[str, Any] = field(default_factory=dict)
     engine_env: dict[str, str] = field(default_factory=dict)
+    rungs: EngineRungs | None = None  # --attribute: the engine's prefill rungs
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,6 +76,7 @@ class Rescored:
     rollout_routes: list[np.ndarray] | None = None  # per sequence [T, L, K] expert ids (engine)
     train_routes: list[np.ndarray] | None = None  # same shapes, training router's own choices
     seq_offset: int = 0  # added to each rollout's seq_id in the store (unique across settings)
+    rungs: dict[str, np.ndarray | None] | None = None  # --attribute: rung column -> [N] float32
 
 
 @dataclass

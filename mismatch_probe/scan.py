@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from mismatch_probe import models, rescore, rollout, store
+from mismatch_probe import attribution, batch_invariant, models, rescore, rollout, store
 from mismatch_probe.checkpoint import check_weights
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
@@ -101,6 +101,8 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     from mismatch_probe.report import load_report, write_outputs
 
     timer = Timer()
+    attribution.check(cfg)
+    invariant = batch_invariant.check(cfg.batch_invariant)
     with timer("prepare"):
         prep = prepare(cfg)
         out = check_out(cfg, cfg.out_dir(prep.model_dir.name))
@@ -111,6 +113,7 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         scored = _rescore_all(cfg, prep, runs, timer, progress)
     with timer("writing"):
         run = run_metadata(cfg, prep, runs, timer.seconds)
+        run["batch_invariant"] = invariant
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
             paths.update(stage.write_routing(out, scored, prep.routing, run))
@@ -158,7 +161,11 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
                 prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
             )
             run.engine_args = {**kwargs, **stage.engine_kwargs(prep.routing)}
-            run.engine_env = rollout.engine_env(stage.engine_env(prep.routing))
+            env = {
+                **stage.engine_env(prep.routing),
+                **batch_invariant.engine_env(cfg.batch_invariant),
+            }
+            run.engine_env = rollout.engine_env(env)
             llm = stack.enter_context(rollout.engine(run.engine_args, run.engine_env))
     except rollout.EngineStartError as exc:
         stack.close()
@@ -190,6 +197,9 @@ def _generate(
         )
         run.generation_seconds = time.perf_counter() - start
         timer.seconds["generation"] = timer.seconds.get("generation", 0.0) + run.generation_seconds
+        if cfg.attribute:
+            with timer("attribution_prefill"):
+                run.rungs = attribution.engine_rungs(llm, run.rollouts)
         if prep.routing is not None and not cfg.same_tokens:
             with timer("route_capture"):
                 run.routes = stage.capture(llm, run.rollouts, prep.routing)
@@ -210,6 +220,9 @@ def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer
                 start = time.perf_counter()
                 scores = rollout.score_forced(llm, reference)
                 run.generation_seconds = time.perf_counter() - start
+            if cfg.attribute:
+                with timer("attribution_prefill"):
+                    run.rungs = attribution.engine_rungs(llm, reference)
             if prep.routing is not None:
                 with timer("route_capture"):
                     run.routes = stage.capture(llm, reference, prep.routing)
@@ -241,6 +254,9 @@ def _rescore_all(
     offset = 0
     for rescored in ordered.values():  # each setting gets its own seq_id range
         rescored.seq_offset, offset = offset, offset + len(rescored.rollouts)
+    if cfg.attribute:
+        with timer("attribution_rescoring"):
+            attribution.add_train_rungs(cfg, prep, done, ordered)
     return ordered
 
 
@@ -275,9 +291,11 @@ def write_store(
     paths = {"tokens": out / store.TOKENS_FILE, "sequences": out / store.SEQUENCES_FILE}
     tokens, sequences = [], []
     for setting, r in scored.items():
-        tokens.append(token_table(setting.name, r.rollouts, r.scored, tokenizer, r.seq_offset))
+        table = token_table(setting.name, r.rollouts, r.scored, tokenizer, r.seq_offset)
+        tokens.append(attribution.with_rungs(table, r.rungs) if r.rungs else table)
         sequences.append(sequence_table(setting.name, r.rollouts, tokenizer, r.seq_offset))
-    store.write_table(paths["tokens"], pa.concat_tables(tokens), store.TOKEN_SCHEMA, run)
+    table = pa.concat_tables(tokens, promote_options="default")
+    store.write_table(paths["tokens"], table, store.token_schema(table.column_names), run)
     store.write_table(paths["sequences"], pa.concat_tables(sequences), store.SEQUENCE_SCHEMA, run)
     return paths
 

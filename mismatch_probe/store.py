@@ -63,6 +63,23 @@ SEQUENCE_SCHEMA = pa.schema(
     ]
 )
 
+# Attribution rungs (``probe scan --attribute``, see ``metrics/attribution.py``): nullable float32
+# columns of the same tokens scored at points between decode and training. A store without them
+# reads as before; ``token_schema`` adds those a table has.
+RUNG_FIELDS = (
+    pa.field("engine_prefill_logprob", pa.float32()),  # L1: engine prefill, sequences batched
+    pa.field("engine_prefill_single_logprob", pa.float32()),  # L2: prefill, one per engine step
+    pa.field("train_rollout_dtype_logprob", pa.float32()),  # L3: transformers at rollout dtype
+    pa.field("stale_logprob", pa.float32()),  # L5: --stale-model at the training dtype
+    pa.field("train_no_replay_logprob", pa.float32()),  # MoE replay setting: own-routes L4
+)
+
+
+def token_schema(names: Sequence[str]) -> pa.Schema:
+    """``TOKEN_SCHEMA`` plus the rung fields among ``names``."""
+    return pa.schema([*TOKEN_SCHEMA, *(f for f in RUNG_FIELDS if f.name in names)])
+
+
 # The columns a metrics reader needs; any Parquet file with these can be analysed.
 METRIC_COLUMNS = ("seq_id", "position", "rollout_logprob", "train_logprob")
 

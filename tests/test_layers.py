@@ -18,10 +18,11 @@ PACKAGE = Path(mismatch_probe.__file__).parent
 RANKS = {
     "cli": 9, "options": 8,  # the thin layer: options declared once
     "scan": 7, "ingest": 7,  # the pipelines: our rollouts, or a framework's logs
-    "runinfo": 6, "records": 5, "config": 5,  # the scan's metadata and records
+    "runinfo": 6, "attribution": 6,  # the scan's metadata, the --attribute rungs
+    "records": 5, "config": 5,  # the records passed between stages, the scan's config
     "report": 4, "tables": 4,  # stages: report renders, tables shapes the store's rows
     "routing": 3,
-    "rollout": 2, "rescore": 2, "metrics": 2, "engine_args": 2,
+    "rollout": 2, "rescore": 2, "metrics": 2, "engine_args": 2, "batch_invariant": 2,
     "sampling": 1, "settings": 1, "prompts": 1, "models": 1, "tiny": 1, "progress": 1,
     "checkpoint": 0,
     "store": 0,  # the contract between stages

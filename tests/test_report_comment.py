@@ -26,6 +26,7 @@ from mismatch_probe.report.comment import (
 )
 from mismatch_probe.report.compare import load_comparison
 from mismatch_probe.report.sections import visible
+from mismatch_probe.report.verdicts import HEALTH_CHECKS
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 from tests.test_report_html import HOSTILE, hostile_seq
 
@@ -116,7 +117,7 @@ def test_run_comment_parses_and_model_text_stays_in_its_cell(hostile_run: Path) 
     assert worst[1][:3] == ["1", "3:1", visible("".join(HOSTILE[:6]))]  # the text, as text
     assert worst[1][-1] == "numeric drift"
     verdicts = next(t for t in tables(tokens) if t[0][0] == "verdict")
-    assert len(verdicts) == 1 + 7 and all(len(r) == 6 for r in verdicts)
+    assert len(verdicts) == 1 + len(HEALTH_CHECKS) and all(len(r) == 6 for r in verdicts)
     assert text.endswith(FOOTER + "\n")
     assert "<summary>Every metric (" in text and "<summary>Settings</summary>" in text
 

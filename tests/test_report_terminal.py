@@ -20,6 +20,7 @@ METRICS = {
     "rollout_is_eff_sample_size": 0.25,
     "f_tau_2": 0.0,
     "prob_abs_diff_max": 0.05,
+    "token_mult_prob_error": 1.06,
 }
 
 
@@ -46,9 +47,11 @@ def test_verdicts_follow_the_thresholds() -> None:
         ("rollout_is_std", NA),  # IS off: not computed
         ("f_tau_2", PASS),
         ("prob_abs_diff_max", PASS),
+        ("token_mult_prob_error", FAIL),  # 1.06 > 1.05 (NeMo-RL)
     ]
     edges = {"kl": 0.1, "chi2_token": 1.0, "rollout_is_mean": 2.0, "rollout_is_std": 1.0}
     edges |= {"rollout_is_eff_sample_size": 0.3, "f_tau_2": 0.01, "prob_abs_diff_max": 0.5}
+    edges |= {"token_mult_prob_error": 1.05}
     assert {v.status for v in evaluate(edges)} == {PASS}  # bounds are inclusive
     outside = evaluate({"rollout_is_mean": 0.49, "kl": 0.1001})
     assert [v.status for v in outside if v.value is not None] == [FAIL, FAIL]
@@ -73,6 +76,8 @@ def test_verdict_lines_exact_output_in_colour() -> None:
         f"{dim}f_tau_2 (ours)                   {end}\n"
         f"{green}✔ PASS{end}  max |p_train − p_rollout|       ≤ 0.5        0.05          "
         f"{dim}prob_abs_diff_max (ours)         {end}\n"
+        f"{red}✘ FAIL{end}  mean exp|log ρ|                 ≤ 1.05       1.06          "
+        f"{dim}token_mult_prob_error (NeMo-RL)  {end}\n"
     )
 
 

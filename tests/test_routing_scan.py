@@ -31,8 +31,9 @@ def moe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         prompts=prompts,
         out=out,
         samples_per_prompt=4,
-        sampling=SamplingSpec(max_tokens=40),
+        sampling=SamplingSpec(max_tokens=40, logprobs_mode="raw"),  # = processed at T=1
         routing_replay=("none", "rollout"),
+        attribute=True,
         vllm_args={"kv_cache_memory_bytes": 64 << 20},
     )
     run_scan(cfg, Console(file=io.StringIO()))
@@ -79,3 +80,21 @@ def test_probe_report_redraws_the_routing_plots(moe_run: Path) -> None:
     paths = write_report(moe_run)
     assert all((plots / name).is_file() for name in names)
     assert paths["plot_routing_disagreement"] == plots / names[0]
+
+
+def test_attribution_adds_the_routing_link(moe_run: Path) -> None:
+    """The replay setting's links telescope to its whole mismatch, one of them routing."""
+    import numpy as np
+
+    from mismatch_probe.metrics.attribution import MISMATCH_LINKS, link_ratios
+
+    data = json.loads((moe_run / "attribution.json").read_text())
+    none, replay = "rollout=bf16 | train=fp32", "rollout=bf16 | train=fp32,replay=rollout"
+    assert "routing" not in data[none]["links"]
+    assert data[replay]["links"]["routing"]["max_abs"] > 0  # replaying flipped routes moves r
+    tokens = pq.read_table(moe_run / "tokens.parquet", filters=[("setting", "=", replay)])
+    ratios = link_ratios(tokens)
+    total = sum(ratios[k][0] for k in MISMATCH_LINKS)
+    train = tokens.column("train_logprob").to_numpy().astype(np.float64)
+    roll = tokens.column("rollout_logprob").to_numpy().astype(np.float64)
+    np.testing.assert_allclose(total, train - roll, rtol=0, atol=1e-6)  # the spec's promise

@@ -14,6 +14,10 @@ Flat key scheme:
   spec's own diagnostics (``prob_abs_diff_*``, ``prob_pearson``, ``seq_log_ratio_slope_per_1k``,
   ``ipo_masked_fraction_<eps>``);
 * ``f_tau_<tau>`` (``f_tau_2`` = share of tokens whose ratio is outside [0.5, 2]);
+* the spec's section 6 (NeMo-RL / TorchTitan names, ``parity``): ``token_mult_prob_error``,
+  ``seq_mult_prob_error_{max,mean,min}``, ``k3_kl_reverse`` (+ ``k3_kl_reverse_overflow``),
+  ``bitwise_identical_fraction``, ``ratio_tokens_different``,
+  ``first_token_abs_log_ratio_mean``, ``rest_abs_log_ratio_mean``;
 * counts ``num_tokens``, ``num_sequences``, ``num_valid_sequences``;
 * overflow flags ``k3_kl_overflow``, ``ppl_overflow`` (1.0 when the value was capped);
 * ``presets/<name>/token_masked_fraction``, ``.../seq_masked_fraction``,
@@ -31,7 +35,8 @@ Choices where the spec leaves room (verl's behaviour unless it would give NaN/in
 * a store holding several ``setting`` values needs ``setting=`` (no silent mixing).
 
 Module map: ``config`` (parsing, validation), ``batch`` (token batches, per-sequence
-reductions), ``weights`` (IS), ``rejection`` (RS), ``offpolicy``, ``diagnostics``, ``curves``,
+reductions), ``weights`` (IS), ``rejection`` (RS), ``offpolicy``, ``parity``, ``diagnostics``,
+``curves``, ``attribution`` (links between the rungs of ``--attribute``, per setting),
 ``preset_metrics``, ``stream`` (the one-pass ``MetricEngine``). Numbers only: the tables that
 show them are ``report.metrics_table``; the dense oracle that checks them lives in ``tests/``.
 """

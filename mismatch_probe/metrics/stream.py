@@ -27,6 +27,7 @@ from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.metrics.curves import CurvesAccumulator
 from mismatch_probe.metrics.diagnostics import DiagnosticsAccumulator
 from mismatch_probe.metrics.offpolicy import OffPolicyAccumulator
+from mismatch_probe.metrics.parity import ParityAccumulator
 from mismatch_probe.metrics.preset_metrics import PresetAccumulator
 from mismatch_probe.metrics.rejection import RSAccumulator
 from mismatch_probe.metrics.weights import ISAccumulator
@@ -78,7 +79,7 @@ class MetricEngine:
             parts.append(ISAccumulator(config.is_spec, config.batch_normalize))
         if config.rs_specs:
             parts.append(RSAccumulator(config.rs_specs))
-        parts += [OffPolicyAccumulator(), self.diagnostics, self.curves]
+        parts += [OffPolicyAccumulator(), ParityAccumulator(), self.diagnostics, self.curves]
         parts += [PresetAccumulator(p) for p in config.preset_specs]
         self.parts = parts
 

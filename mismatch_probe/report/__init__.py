@@ -80,6 +80,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     Returns:
         ``{"metrics": ..., "report": ..., "html": ..., "plot_<name>": ...}`` paths.
     """
+    from mismatch_probe.report import attribution
     from mismatch_probe.report.html import write_html
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
@@ -92,6 +93,8 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     store.write_json(paths["metrics"], ctx.json_dict())
     plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
     extra_plots = write_routing_plots(run_dir)
+    attribution_plots, attribution_md = attribution.outputs(run_dir)
+    extra_plots.update(attribution_plots)
     trend, trend_plot = write_trend(ctx)
     if trend_plot:
         extra_plots["plot_trend"] = trend_plot
@@ -99,6 +102,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
         render_markdown(ctx, plots),
         settings_markdown(entries, run_dir) if entries else "",
         routing_markdown(run_dir),
+        attribution_md,
         trend,
     ]
     text = "\n".join(section for section in sections if section)
@@ -111,6 +115,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """The terminal report, then the settings side by side for a matrix run."""
+    from mismatch_probe.report import attribution
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.report.trend import load_trend, render_table
@@ -121,6 +126,7 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
     trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
     if trend is not None:
         console.print(render_table(trend))
+    attribution.render(ctx.run_dir, console)
 
 
 def write_report(run_dir: Path, metrics_config: MetricsConfig | None = None) -> dict[str, Path]:

@@ -187,6 +187,11 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
         Text(f"⚠ {visible(w)}", style="yellow") for w in comparison.warnings
     ]
     parts.append(comparison_table(list(comparison.entries), comparison.rows))
+    from mismatch_probe.report import attribution
+
+    labels = [e.label for e in comparison.entries]
+    links = attribution.compare_rows([r.run_dir for r in comparison.runs])
+    parts += [attribution.compare_table(labels, links)] if links else []
     console.print(Group(*parts))
 
 
@@ -221,6 +226,11 @@ def comparison_markdown(
         header += [escape(e.label)] + ([f"× {escape(entries[0].label)}"] if i else [])
     body = [[f"`{row.key}`", *row_cells(row)] for row in rows]
     lines += ["## Key metrics", "", *table(header, body, "l" + "r" * (len(header) - 1)), ""]
+    from mismatch_probe.report import attribution
+
+    labels = [e.label for e in entries]
+    links = attribution.compare_rows([r.run_dir for r in comparison.runs])
+    lines += attribution.compare_markdown(labels, links)
     lines += ["## Plots", ""]
     for path, title in plots.values():
         lines += [f"![{escape(title)}]({path.relative_to(base).as_posix()})", ""]

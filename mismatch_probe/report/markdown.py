@@ -22,7 +22,7 @@ from mismatch_probe.report.sections import (
     show_blank,
     visible,
 )
-from mismatch_probe.report.verdicts import Verdict, evaluate
+from mismatch_probe.report.verdicts import SOURCES, Verdict, evaluate
 
 MD_DIGITS = 6  # significant digits of every number in report.md
 # Brackets escaped means no link or image can form, so parentheses stay as they are.
@@ -68,7 +68,10 @@ def verdict_section(verdicts: list[Verdict]) -> list[str]:
         for v in verdicts
     ]
     header = ["verdict", "check", "metric", "healthy when", "value", "source"]
-    return ["## Verdicts", "", *table(header, rows, "llllrl"), ""]
+    used = dict.fromkeys(v.check.source for v in verdicts)
+    notes = [f"- {escape(name)}: {escape(SOURCES[name])}" for name in used if name in SOURCES]
+    sources = ["Threshold sources:", "", *notes, ""] if notes else []
+    return ["## Verdicts", "", *table(header, rows, "llllrl"), "", *sources]
 
 
 def key_metrics_section(metrics: dict[str, float]) -> list[str]:

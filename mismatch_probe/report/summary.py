@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mismatch_probe import store
+from mismatch_probe.report import attribution
 from mismatch_probe.report.routing import load, summary_lines
 from mismatch_probe.report.sections import visible
 
@@ -46,9 +47,11 @@ PHASES = (
     "engine_start",
     "generation",
     "forced_scoring",
+    "attribution_prefill",
     "engine_stop",
     "model_load",
     "rescoring",
+    "attribution_rescoring",
     "writing",
     "route_capture",
     "metrics",
@@ -78,6 +81,7 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
         )
     for line in summary_lines(load(result.out_dir)):
         console.print(Text(visible(line)), highlight=False)
+    attribution.render(result.out_dir, console)
     console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
         if not name.startswith("plot_"):

@@ -3,7 +3,10 @@
 verl's rollout-correction docs give the first five thresholds (``|kl| > 0.1``,
 ``chi2_token > 1``, IS mean outside ``[0.5, 2]``, ESS ``< 0.3``, IS std ``> 1``); the last two
 are ours: the share of tokens whose ratio leaves ``[0.5, 2]`` (``f_tau_2``) and the largest
-probability jump ``max |dp|``. A check whose metric was not computed (IS off) is ``n/a``.
+probability jump ``max |dp|``; NeMo-RL's docs give ``token_mult_prob_error <= 1.05`` ("Adding New
+Models", section "Expected Error Threshold", stated for equal precision on both sides).
+``SOURCES`` says where each threshold comes from. A check whose metric was not computed (IS off)
+is ``n/a``.
 
 ``RULES`` is shared with ``probe check`` (``max`` / ``min`` bounds). Renderers live elsewhere;
 this module knows numbers and words, not colours.
@@ -39,7 +42,7 @@ class HealthCheck:
     rule: str
     bounds: tuple[float, ...]
     label: str
-    source: str  # "verl" (its rollout-correction docs) or "ours"
+    source: str  # a key of SOURCES
 
     @property
     def threshold(self) -> str:
@@ -54,7 +57,16 @@ HEALTH_CHECKS: tuple[HealthCheck, ...] = (
     HealthCheck("rollout_is_std", "max", (1.0,), "IS weight std", "verl"),
     HealthCheck("f_tau_2", "max", (0.01,), "tokens with ρ outside [0.5, 2]", "ours"),
     HealthCheck("prob_abs_diff_max", "max", (0.5,), "max |p_train − p_rollout|", "ours"),
+    HealthCheck("token_mult_prob_error", "max", (1.05,), "mean exp|log ρ|", "NeMo-RL"),
 )
+
+# Where each threshold comes from (shown under the verdicts of report.md).
+SOURCES: dict[str, str] = {
+    "verl": "verl docs/algo/rollout_corr.md (rollout-correction metrics, recommended ranges)",
+    "NeMo-RL": "NeMo-RL docs/adding-new-models.md, section 3 'Expected Error Threshold' "
+    "(1.05 for equal precision on both sides; 1.0 is a perfect match)",
+    "ours": "mismatch_probe's own defaults",
+}
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
 

@@ -1,4 +1,5 @@
-"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics] [ingest]``."""
+"""Run the benchmarks:
+``python -m tests.bench [rescoring] [scan] [metrics] [ingest] [attribution]``."""
 
 from __future__ import annotations
 
@@ -40,11 +41,18 @@ def _ingest() -> dict[str, Any]:
     return bench_ingest()
 
 
+def _attribution() -> dict[str, Any]:
+    from tests.bench.attribution import bench_attribution
+
+    return bench_attribution()
+
+
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "scan": _scan,
     "metrics": _metrics,
     "ingest": _ingest,
+    "attribution": _attribution,
 }
 
 

@@ -21,6 +21,7 @@ from mismatch_probe.metrics.config import ISSpec, MetricsConfig, PresetSpec, RSS
 from mismatch_probe.metrics.stream import MetricsResult
 from tests.oracle.dense import Dense, clamp_b, make_dense, mmean, msum, std1
 from tests.oracle.diagnostics import diagnostic_curves, diagnostic_metrics
+from tests.oracle.parity import parity_metrics
 
 __all__ = ["Dense", "make_dense", "reference_metrics", "to_table"]
 
@@ -235,6 +236,7 @@ def reference_metrics(d: Dense, config: MetricsConfig) -> MetricsResult:
     if config.rs_specs:
         out.update(rs_metrics(d, config.rs_specs)[0])
     out.update(offpolicy_metrics(d))
+    out.update(parity_metrics(d))
     out.update(diagnostic_metrics(d))
     for preset in config.preset_specs:
         out.update(preset_metrics(d, preset))

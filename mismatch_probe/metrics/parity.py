@@ -1,0 +1,94 @@
+"""Other frameworks' names and the bitwise measures (metric spec section 6).
+
+Users put ``probe`` numbers next to NeMo-RL, TorchTitan and Miles logs, so these carry their
+names. All over valid tokens, ``r = train_lp - rollout_lp``:
+
+* ``token_mult_prob_error = mmean(exp(clampB(|r|)))``: NeMo-RL's multiplicative token probability
+  error (1.0 is identity); ``seq_mult_prob_error_max`` / ``_mean`` / ``_min`` over valid
+  sequences of ``mmean_i(exp(clampB(|r|)))``.
+* ``k3_kl_reverse = mmean(exp(-r) + r - 1)``: the k3 estimator with the ratio inverted (NeMo-RL's
+  ``policy_kl_error``; our ``k3_kl`` is its ``gen_kl_error``). Unclamped like ``k3_kl``: an
+  overflow is capped at the largest float64 and flagged by ``k3_kl_reverse_overflow``.
+* ``bitwise_identical_fraction``: share of valid tokens with ``train_lp == rollout_lp`` exactly
+  (the stored float32 values; float32 -> float64 is exact, so equality is preserved).
+* ``ratio_tokens_different``: share of valid tokens with ``|r| > 1e-6`` (TorchTitan).
+* ``first_token_abs_log_ratio_mean``: mean ``|r|`` over the first response token (smallest
+  position among its valid tokens) of each valid sequence; ``rest_abs_log_ratio_mean``: mean
+  ``|r|`` over every other valid token. Plain means (0 when there is no such token).
+
+Worked example (the spec's): one token, ``rollout_lp = -5``, ``train_lp = -15``, ``r = -10``:
+``k3_kl = e^-10 + 9 = 9.00005``, ``k3_kl_reverse = e^10 - 11 = 22015.5``,
+``token_mult_prob_error = e^10 = 22026.5`` (each divided by ``1 + 1e-8``, the masked-mean guard).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mismatch_probe.metrics.accum import Counts, Moments, capped, mmean
+from mismatch_probe.metrics.batch import TokenBatch, clamp_b, seg_mean
+from mismatch_probe.metrics.offpolicy import k3_terms
+
+DIFFERENT_ABS_LOG_RATIO = 1e-6  # TorchTitan's bitwise-parity threshold on |r|
+NEMO_MULT_PROB_ERROR_LIMIT = 1.05  # NeMo-RL docs, "Adding New Models", expected error threshold
+
+
+def mult_prob_error(r: np.ndarray) -> np.ndarray:
+    """Per token ``exp(clampB(|r|))`` (``>= 1``; at most ``e^20``)."""
+    return np.exp(clamp_b(np.abs(r)))
+
+
+def first_token_rows(b: TokenBatch) -> np.ndarray:
+    """``[N]`` bool: the valid row of smallest position in each valid sequence."""
+    key = np.where(b.m, b.position, np.iinfo(np.int64).max)
+    order = np.lexsort((key, b.seg))  # rows by (sequence, position), padding last
+    first = np.zeros(len(b.m), dtype=bool)
+    first[order[b.starts]] = True  # sequences are contiguous: same start indices
+    return first & b.m
+
+
+class ParityAccumulator:
+    """Streams the section-6 measures."""
+
+    def __init__(self) -> None:
+        self.sum_mult = self.sum_k3_rev = 0.0
+        self.n_identical = self.n_different = 0
+        self.seq_mult = Moments()  # mmean_i(exp(|r|)) over valid sequences
+        self.first_sum = self.rest_sum = 0.0
+        self.first_n = self.rest_n = 0
+
+    def update(self, b: TokenBatch) -> None:
+        m = b.m
+        r = b.r[m]
+        mult = mult_prob_error(b.r)
+        self.sum_mult += float(mult[m].sum())
+        self.sum_k3_rev += float(k3_terms(-r).sum())
+        self.n_identical += int((b.train[m] == b.rollout[m]).sum())
+        self.n_different += int((np.abs(r) > DIFFERENT_ABS_LOG_RATIO).sum())
+        self.seq_mult.add(seg_mean(b, mult)[b.n > 0])
+        first = first_token_rows(b)
+        rest = m & ~first
+        self.first_sum += float(np.abs(b.r[first]).sum())
+        self.rest_sum += float(np.abs(b.r[rest]).sum())
+        self.first_n += int(first.sum())
+        self.rest_n += int(rest.sum())
+
+    def scalars(self, counts: Counts) -> dict[str, float]:
+        n = counts.tokens
+        k3_rev, over = capped(mmean(self.sum_k3_rev, n))
+        return {
+            "token_mult_prob_error": mmean(self.sum_mult, n),
+            "seq_mult_prob_error_max": self.seq_mult.get("max"),
+            "seq_mult_prob_error_mean": self.seq_mult.get("mean"),
+            "seq_mult_prob_error_min": self.seq_mult.get("min"),
+            "k3_kl_reverse": k3_rev,
+            "k3_kl_reverse_overflow": float(over),
+            "bitwise_identical_fraction": mmean(self.n_identical, n),
+            "ratio_tokens_different": mmean(self.n_different, n),
+            "first_token_abs_log_ratio_mean": _mean(self.first_sum, self.first_n),
+            "rest_abs_log_ratio_mean": _mean(self.rest_sum, self.rest_n),
+        }
+
+
+def _mean(total: float, count: int) -> float:
+    return total / count if count else 0.0
