@@ -10,6 +10,10 @@ A run directory holds
 * ``run.json``: the run metadata, also stored in both files' key-value metadata under
   ``mismatch_probe.run``.
 
+A sharded scan writes ``tokens/`` and ``sequences/`` directories of parts instead
+(``dataset``: ``tokens/shard=K/part-0.parquet``); every reader here takes a file or such a
+directory alike.
+
 Sign convention used by every later stage: ``r = train_logprob - rollout_logprob``.
 
 This module knows nothing about vLLM or transformers; it writes and reads tables.
@@ -26,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mismatch_probe.dataset import part_files
 from mismatch_probe.errors import ProbeError
 
 SCHEMA_VERSION = "1"
@@ -67,6 +72,8 @@ METRIC_COLUMNS = ("seq_id", "position", "rollout_logprob", "train_logprob")
 TOKENS_FILE = "tokens.parquet"
 SEQUENCES_FILE = "sequences.parquet"
 RUN_FILE = "run.json"
+TOKENS_DIR = "tokens"  # a sharded store's directory datasets (``dataset``)
+SEQUENCES_DIR = "sequences"
 
 ROW_GROUP_TOKENS = 65_536
 
@@ -131,9 +138,16 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.ParquetFile:
-    """Open a token store, checking it is readable Parquet with the ``required`` columns."""
-    if not path.exists():
-        raise ProbeError(f"no such file: {path}")
+    """Open a token store, checking it is readable Parquet with the ``required`` columns.
+
+    ``path`` may be a directory of parts (``dataset.part_files``): every part is checked, and
+    the first one is returned (its schema is the store's: use it for column names and metadata).
+    """
+    opened = [_open_part(p, required) for p in part_files(path)]
+    return opened[0]
+
+
+def _open_part(path: Path, required: Sequence[str]) -> pq.ParquetFile:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
@@ -145,8 +159,19 @@ def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.Par
 
 
 def resolve_tokens_path(path: Path) -> Path:
-    """A run directory or a Parquet file -> the token store's path."""
-    return path / TOKENS_FILE if path.is_dir() else path
+    """A run directory, a Parquet file or a directory of parts -> the token store's path: a run
+    directory's ``tokens.parquet``, else its sharded ``tokens/`` directory."""
+    if not path.is_dir():
+        return path
+    single, sharded = path / TOKENS_FILE, path / TOKENS_DIR
+    if single.exists() or not (sharded.is_dir() or _holds_parts(path)):
+        return single
+    return sharded if sharded.is_dir() else path
+
+
+def _holds_parts(path: Path) -> bool:
+    """True for a directory that is itself a table (``shard=K`` folders or Parquet parts)."""
+    return any(p.name.startswith("shard=") or p.suffix == ".parquet" for p in path.iterdir())
 
 
 def read_run_metadata(path: Path) -> dict[str, Any]:
@@ -171,11 +196,11 @@ def iter_sequence_batches(
         together, sequences in order of appearance (rows are not re-sorted by position).
     """
     cols = list(dict.fromkeys(["seq_id", *columns]))
-    pf = open_parquet(path, required=cols)
+    files = [_open_part(p, cols) for p in part_files(path)]
     seen: set[int] = set()
     carry: pa.Table | None = None
     try:
-        for group in _chunks(pf, cols):
+        for group in (chunk for pf in files for chunk in _chunks(pf, cols)):
             if carry is not None:
                 group = pa.concat_tables([carry, group])
             if group.num_rows == 0:

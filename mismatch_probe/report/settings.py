@@ -26,7 +26,7 @@ SETTINGS_FILE = "settings.json"
 
 def setting_names(run_dir: Path) -> list[str]:
     """The settings in the token store, in the scan's order (first = the reference)."""
-    tokens = run_dir / store.TOKENS_FILE
+    tokens = store.resolve_tokens_path(run_dir)
     if "setting" not in store.open_parquet(tokens).schema_arrow.names:
         return []
     present = pq.read_table(tokens, columns=["setting"]).column("setting").unique().to_pylist()
@@ -47,7 +47,8 @@ def setting_entries(run_dir: Path, metrics_config: Any = None) -> list[Entry]:
     cfg = metrics_config or MetricsConfig()
     entries = []
     for name in names:
-        data = compute_metrics(run_dir / store.TOKENS_FILE, cfg, setting=name).to_json_dict()
+        tokens = store.resolve_tokens_path(run_dir)
+        data = compute_metrics(tokens, cfg, setting=name).to_json_dict()
         flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
         if name in speed:
             flat["rollout_tokens_per_s"] = speed[name]
