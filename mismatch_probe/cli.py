@@ -36,6 +36,8 @@ from mismatch_probe.options import (
     PresetOpt,
     PromptsOpt,
     QuantizationOpt,
+    RayOpt,
+    ResumeOpt,
     RolloutDtypeOpt,
     RolloutIsOpt,
     RolloutIsThresholdOpt,
@@ -47,10 +49,12 @@ from mismatch_probe.options import (
     SamplesOpt,
     SeedOpt,
     SettingOpt,
+    ShardsOpt,
     StrictOpt,
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    TrainDeviceMapOpt,
     TrainDtypeOpt,
     VllmArgOpt,
 )
@@ -245,6 +249,10 @@ def scan(
     vllm_arg: VllmArgOpt = None,
     batch_tokens: BatchTokensOpt = 2048,
     flip_eps: FlipEpsOpt = None,
+    train_device_map: TrainDeviceMapOpt = None,
+    shards: ShardsOpt = 1,
+    ray: RayOpt = None,
+    resume: ResumeOpt = False,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure."""
     from mismatch_probe.config import ScanConfig
@@ -277,6 +285,10 @@ def scan(
         vllm_args=parse_engine_args(vllm_arg or []),
         batch_tokens=batch_tokens,
         flip_eps=flip_eps,
+        train_device_map=train_device_map,
+        shards=shards,
+        ray=ray,
+        resume=resume,
     )
     result = run_scan(cfg, Console(stderr=True))
     console = _stdout_console()

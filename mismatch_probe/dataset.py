@@ -6,10 +6,11 @@ A sharded scan (``probe scan --shards N``) writes each table as a directory inst
     tokens/shard=1/part-0.parquet      tokens/shard=1/_SUCCESS
     sequences/shard=0/part-0.parquet   sequences/shard=0/_SUCCESS   ...
 
-Each part is written under a hidden temporary name and renamed when complete (``store.write_table``),
-and a shard's ``_SUCCESS`` marker (JSON: the shard's prompts and row counts) is written once all
-of the shard's parts are in place, the tokens marker last. A shard directory without its marker
-is unfinished: readers refuse the directory (``part_files``), ``--resume`` redoes the shard.
+Each part is written under a hidden temporary name and renamed when complete
+(``store.write_table``), and a shard's ``_SUCCESS`` marker (JSON: the shard's prompts and row
+counts) is written once all of the shard's parts are in place, the tokens marker last. A shard
+directory without its marker is unfinished: readers refuse the directory (``part_files``), and
+``--resume`` redoes the shard.
 Names starting with ``.`` or ``_`` are skipped by every Parquet dataset reader (pyarrow, Spark,
 DuckDB), so temporary parts and markers never look like data.
 

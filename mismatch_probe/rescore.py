@@ -66,7 +66,7 @@ def load_model(path: Path, dtype: str, device_map: str | None = None, **placemen
     except (OSError, ValueError, RuntimeError) as exc:
         reason = " ".join(str(exc).split())
         raise ProbeError(f"transformers could not load {path}: {reason}") from None
-    model.probe_device_map = describe(model, device_map, used)  # for run.json
+    model.probe_device_map = describe(model, device_map, used)  # type: ignore[assignment]
     return model.eval()
 
 

@@ -38,6 +38,7 @@ def run_metadata(
             "config_sha256": models.config_hash(prep.model_dir),
         },
         "prompts": {"path": str(prep.prompts_path), "count": len(prep.prompts), "chat": prep.chat},
+        "train_device_map": dict(prep.train_devices),
         "versions": library_versions(),
         "hardware": hardware(),
         "timings": dict(timings),

@@ -62,6 +62,7 @@ class Prepared:
     max_model_len: int
     tokenizer: Any = field(repr=False)
     routing: Any = None  # routing.stage.Routing for a mixture-of-experts model, else None
+    train_devices: dict[str, Any] = field(default_factory=dict)  # train dtype -> device map used
 
 
 @dataclass
@@ -146,6 +147,10 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     """Run the whole pipeline and write ``tokens.parquet``, ``sequences.parquet``,
     ``metrics.json``, ``settings.json``, ``run.json`` and the reports into the output
     directory (plus ``routing.parquet`` and ``routing.json`` for a mixture-of-experts model)."""
+    if cfg.sharded:
+        from mismatch_probe.sharding import run_sharded
+
+        return run_sharded(cfg, console)
     timer = Timer()
     with timer("prepare"):
         prep = prepare(cfg)
@@ -268,7 +273,8 @@ def _rescore_all(
     scored: dict[Setting, Rescored] = {}
     for train_dtype in cfg.train_dtypes:
         with timer("model_load"):
-            model = rescore.load_model(prep.model_dir, train_dtype)
+            model = rescore.load_model(prep.model_dir, train_dtype, cfg.train_device_map)
+            prep.train_devices[train_dtype] = model.probe_device_map
         for run, mode in itertools.product(done, cfg.routing_replay):
             setting = Setting(run.setting, train_dtype, mode)
             with timer("rescoring"):

@@ -54,9 +54,7 @@ def test_split_model_scores_like_one_device(
     rng = np.random.default_rng(0)
     vocab = len(tiny_tokenizer)  # type: ignore[arg-type]
     requests = [
-        rescore.ScoreRequest(
-            rng.integers(0, vocab, p).tolist(), rng.integers(0, vocab, r).tolist()
-        )
+        rescore.ScoreRequest(rng.integers(0, vocab, p).tolist(), rng.integers(0, vocab, r).tolist())
         for p, r in [(5, 9), (12, 3), (2, 20), (7, 1)]
     ]
     spec = SamplingSpec(temperature=0.9, top_p=0.95, top_k=50)
