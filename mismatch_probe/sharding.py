@@ -100,8 +100,20 @@ def start_or_resume(out: Path, cfg: ScanConfig, prep: Any, plan: list[tuple[int,
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``"sampling.max_tokens was 8, now 16"`` for each option that changed."""
+    old, new = _flat(old), _flat(new)
     keys = sorted(set(old) | set(new))
     return [f"{k} was {old.get(k)!r}, now {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def _flat(options: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in options.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) -> dict[str, Any]:
