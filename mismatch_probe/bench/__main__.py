@@ -1,4 +1,5 @@
-"""Run the benchmarks: ``python -m mismatch_probe.bench [rescoring] [scan] [metrics]``."""
+"""Run the benchmarks: ``python -m mismatch_probe.bench [rescoring] [scan] [metrics]
+[sharded_scan] [sharded_metrics]``."""
 
 from __future__ import annotations
 
@@ -34,10 +35,24 @@ def _metrics() -> dict[str, Any]:
     return bench_metrics()
 
 
+def _sharded_scan() -> dict[str, Any]:
+    from mismatch_probe.bench.sharded_scan import bench_sharded_scan
+
+    return bench_sharded_scan()
+
+
+def _sharded_metrics() -> dict[str, Any]:
+    from mismatch_probe.bench.sharded_metrics import bench_sharded_metrics
+
+    return bench_sharded_metrics()
+
+
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "scan": _scan,
     "metrics": _metrics,
+    "sharded_scan": _sharded_scan,
+    "sharded_metrics": _sharded_metrics,
 }
 
 
