@@ -28,6 +28,7 @@ PHASES = (
     "engine_start",
     "generation",
     "forced_scoring",
+    "shards",
     "engine_stop",
     "model_load",
     "rescoring",

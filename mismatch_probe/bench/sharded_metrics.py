@@ -3,9 +3,9 @@
 The single file is ``metrics.write_synthetic_store``'s; the sharded copy distributes its row
 groups (which never split a sequence) over 20 ``shard=K/part-0.parquet`` parts with their
 ``_SUCCESS`` markers, as a sharded scan writes them. Each computation runs in a fresh ``spawn``
-child (``metrics._in_child``). Reported: wall time, throughput, the throughput ratio (the
-acceptance check: parts within 20% of the file), and the largest relative difference over the
-compared metrics (``metrics.COMPARED``; float64 sums grouped differently: equal up to rounding).
+child (``metrics._in_child``), twice, alternating; the best of each is kept. Reported: wall
+time, throughput, the throughput ratio (the acceptance check: parts within 20% of the file),
+and the largest relative difference over the compared metrics (``metrics.COMPARED``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from mismatch_probe.bench.metrics import _in_child, write_synthetic_store
 
 TOKENS = 10_000_000
 PARTS = 20
+REPEATS = 2  # alternated, best wall time of each kept (a shared machine's noise)
 
 
 def split_store(path: Path, table_dir: Path, parts: int) -> None:
@@ -48,7 +49,11 @@ def bench_sharded_metrics() -> dict[str, Any]:
         start = time.perf_counter()
         split_store(single, parts, PARTS)
         out["split_s"] = time.perf_counter() - start
-        runs = {"one_file": _in_child("stream", single), "parts": _in_child("stream", parts)}
+        paths = {"one_file": single, "parts": parts}
+        tries = [(name, _in_child("stream", paths[name])) for _ in range(REPEATS) for name in paths]
+    runs = {
+        name: min((r for n, r in tries if n == name), key=lambda r: r["wall_s"]) for name in paths
+    }
     tokens = out["store"]["tokens"]
     for name, run in runs.items():
         out[name] = {
