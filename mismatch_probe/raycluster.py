@@ -16,8 +16,8 @@ installed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from mismatch_probe.config import ScanConfig
@@ -43,14 +43,24 @@ def shard_resources(
     return {"num_cpus": float(min(node_cpus)) if node_cpus else 1.0}
 
 
-def connect(address: str) -> bool:
-    """Join (or start, for ``local``) a Ray cluster; True when this call connected."""
-    try:
-        import ray
-    except ImportError:
-        raise ProbeError("--ray needs Ray: pip install 'mismatch_probe[ray]'") from None
+def require_ray() -> None:
+    """Fail with one line when Ray is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ProbeError("--ray needs Ray: pip install 'mismatch_probe[ray]'")
+
+
+@contextmanager
+def connected(address: str) -> Iterator[None]:
+    """Join (or start, for ``local``) a Ray cluster for the block; a driver that was already
+    connected (``ray.init`` by the caller) stays connected."""
+    require_ray()
+    import ray
+
     if ray.is_initialized():
-        return False
+        yield
+        return
     try:
         if address == "local":
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -58,7 +68,10 @@ def connect(address: str) -> bool:
             ray.init(address=address, log_to_driver=False)
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError, ...
         raise ProbeError(f"--ray {address}: could not connect ({_one_line(exc)})") from None
-    return True
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -68,35 +81,30 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run_shards(
-    cfg: ScanConfig, plan: list[tuple[int, int]], pending: list[int], out: Path, console: Any
+    cfg: ScanConfig, plan: list[tuple[int, int]], pending: list[int], console: Any
 ) -> None:
-    """Run the ``pending`` shards as Ray tasks and wait for all of them.
+    """Run the ``pending`` shards as Ray tasks (inside ``connected``) and wait for them all.
 
     Raises:
         ProbeError: when a shard's task failed (the others are finished and kept).
     """
-    if not pending or cfg.ray is None:
+    if not pending or cfg.out is None:
         return
     import ray
 
     from mismatch_probe.sharding import run_shard
 
-    started = connect(cfg.ray)
-    try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        resources = shard_resources(
-            cfg.vllm_args,
-            ray.cluster_resources().get("GPU", 0.0),
-            [n["Resources"].get("CPU", 1.0) for n in nodes],
-        )
-        task = ray.remote(run_shard).options(
-            **resources, max_retries=0, runtime_env={"env_vars": WORKER_ENV}
-        )
-        refs = {task.remote(cfg, k, plan[k], str(out.resolve())): k for k in pending}
-        failed = _wait_all(refs, len(plan), console)
-    finally:
-        if started:
-            ray.shutdown()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    resources = shard_resources(
+        cfg.vllm_args,
+        ray.cluster_resources().get("GPU", 0.0),
+        [n["Resources"].get("CPU", 1.0) for n in nodes],
+    )
+    task = ray.remote(run_shard).options(
+        **resources, max_retries=0, runtime_env={"env_vars": WORKER_ENV}
+    )
+    refs = {task.remote(cfg, k, plan[k], str(cfg.out)): k for k in pending}
+    failed = _wait_all(refs, len(plan), console)
     if failed:
         listed = ", ".join(f"{k} ({reason})" for k, reason in sorted(failed.items()))
         raise ProbeError(

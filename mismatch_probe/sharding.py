@@ -38,6 +38,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.settings import RolloutSetting
 
 PLAN_FILE = "shards.json"
+ROUTING_DIR = "routing"  # routing.store.ROUTING_DIR: an MoE model's routes, sharded
 RUNNING = "_RUNNING"  # in tokens/shard=K while the shard runs: {"pid", "host", "started"}
 NOT_RECORDED = ("ray", "resume")  # options that may change between a run and its --resume
 
@@ -81,10 +82,13 @@ def start_or_resume(out: Path, cfg: ScanConfig, prep: Any, plan: list[tuple[int,
         "plan": [list(b) for b in plan],
     }
     if not cfg.resume:
-        for name in (store.TOKENS_DIR, store.SEQUENCES_DIR):
+        from mismatch_probe.routing import stage
+
+        for name in (store.TOKENS_DIR, store.SEQUENCES_DIR, ROUTING_DIR):
             shutil.rmtree(out / name, ignore_errors=True)
         for name in (store.TOKENS_FILE, store.SEQUENCES_FILE):
             (out / name).unlink(missing_ok=True)  # a single-file store would shadow the parts
+        stage.remove_outputs(out)  # an earlier run's routing files
         store.write_json(path, record)
         return set()
     try:
@@ -129,10 +133,12 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
 
     from mismatch_probe import scan
     from mismatch_probe.progress import make_progress
+    from mismatch_probe.routing import stage
     from mismatch_probe.runinfo import run_metadata
 
     tokens_dir, seq_dir = Path(out) / store.TOKENS_DIR, Path(out) / store.SEQUENCES_DIR
-    _reset(tokens_dir, seq_dir, shard)
+    routing_dir = Path(out) / ROUTING_DIR
+    _reset(tokens_dir, seq_dir, routing_dir, shard)
     timer = scan.Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg)
@@ -159,16 +165,21 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
     with timer("writing"):
         run = {**run_metadata(cfg, prep, runs, timer.seconds), "shard": info}
         _write_parts(tokens_dir, seq_dir, shard, scored, prep.tokenizer, run)
+        if prep.routing is not None:
+            part = dataset.part_path(routing_dir, shard)
+            stage.write_routing(Path(out), scored, prep.routing, run, path=part)
     info["timings"] = dict(timer.seconds)
+    if prep.routing is not None:
+        dataset.mark_done(routing_dir, shard, info)
     dataset.mark_done(seq_dir, shard, info)
     dataset.mark_done(tokens_dir, shard, info)  # last: the shard counts as finished from here
     (dataset.shard_dir(tokens_dir, shard) / RUNNING).unlink(missing_ok=True)
     return info
 
 
-def _reset(tokens_dir: Path, seq_dir: Path, shard: int) -> None:
+def _reset(tokens_dir: Path, seq_dir: Path, routing_dir: Path, shard: int) -> None:
     """Remove an earlier attempt's parts and say who runs the shard now (``_RUNNING``)."""
-    for table_dir in (tokens_dir, seq_dir):
+    for table_dir in (tokens_dir, seq_dir, routing_dir):
         shutil.rmtree(dataset.shard_dir(table_dir, shard), ignore_errors=True)
     folder = dataset.shard_dir(tokens_dir, shard)
     folder.mkdir(parents=True, exist_ok=True)
@@ -204,56 +215,63 @@ def _write_parts(
 
 def run_sharded(cfg: ScanConfig, console: Any) -> Any:
     """``probe scan --shards N [--ray ADDRESS] [--resume]``: returns a ``scan.ScanResult``."""
-    from mismatch_probe import scan
+    from contextlib import nullcontext
+
+    from mismatch_probe import raycluster, scan
 
     timer = scan.Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg)
-        if prep.routing is not None:
-            raise ProbeError(
-                "--shards/--ray: a mixture-of-experts model's route capture does not run "
-                "sharded yet; scan it without --shards"
-            )
         out = cfg.out_dir(prep.model_dir.name)
         plan = plan_shards(len(prep.prompts), cfg.shards)
-        out.mkdir(parents=True, exist_ok=True)
-        done = start_or_resume(out, cfg, prep, plan)
-    pending = [k for k in range(len(plan)) if k not in done]
-    if done:
-        console.print(f"resume: shard(s) {sorted(done)} finished, running {pending}")
-    # Workers may start elsewhere (another directory, another node): absolute paths only.
-    worker_cfg = replace(
-        cfg,
-        model=prep.model_dir.resolve(),
-        prompts=prep.prompts_path.resolve(),
-        out=out.resolve(),
-        resume=False,
-    )
-    with timer("shards"):
-        if cfg.ray is not None:
-            from mismatch_probe import raycluster
-
-            raycluster.run_shards(worker_cfg, plan, pending, out, console)
-        else:
-            for k in pending:
-                run_shard(worker_cfg, k, plan[k], str(out.resolve()))
-                console.print(f"shard {k} of {len(plan)} done", highlight=False)
+    # Ray is joined before anything in --out is touched: a wrong address loses nothing.
+    with raycluster.connected(cfg.ray) if cfg.ray is not None else nullcontext():
+        with timer("prepare"):
+            out.mkdir(parents=True, exist_ok=True)
+            done = start_or_resume(out, cfg, prep, plan)
+        pending = [k for k in range(len(plan)) if k not in done]
+        if done:
+            console.print(f"resume: shard(s) {sorted(done)} finished, running {pending}")
+        # Workers may start elsewhere (another directory, another node): absolute paths only.
+        worker_cfg = replace(
+            cfg,
+            model=prep.model_dir.resolve(),
+            prompts=prep.prompts_path.resolve(),
+            out=out.resolve(),
+            resume=False,
+        )
+        with timer("shards"):
+            if cfg.ray is not None:
+                raycluster.run_shards(worker_cfg, plan, pending, console)
+            else:
+                for k in pending:
+                    run_shard(worker_cfg, k, plan[k], str(out.resolve()))
+                    console.print(f"shard {k} of {len(plan)} done", highlight=False)
     return _finish(cfg, prep, out, timer)
 
 
 def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
     """Metrics over every part, ``run.json`` (with each shard's record) and the reports."""
     from mismatch_probe.report import load_report, write_outputs
+    from mismatch_probe.routing import stage
+    from mismatch_probe.routing import store as routing_store
     from mismatch_probe.runinfo import run_metadata
     from mismatch_probe.scan import ScanResult
 
     infos = dataset.done_shards(out / store.TOKENS_DIR)
     runs, tokens = _merged_runs(cfg, infos)
     skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
+    present = [s for s in cfg.settings() if s.rollout.name not in skipped]
     paths = {"tokens": out / store.TOKENS_DIR, "sequences": out / store.SEQUENCES_DIR}
     with timer("metrics"):
-        flat = _metrics(cfg, paths, skipped, runs, tokens)
+        flat = _metrics(paths, present, runs, tokens)
+        if prep.routing is not None:
+            paths["routing"] = out / ROUTING_DIR
+            paths.update(stage.routing_outputs(out, present))
     run = run_metadata(cfg, prep, runs, timer.seconds)
+    if prep.routing is not None:
+        shape, capture_path = prep.routing.shape, prep.routing.setup.capture_path
+        run["routing"] = routing_store.routing_metadata(shape, capture_path)
     for record in run["rollouts"]:  # runs carry no rollouts here: throughput from the shards
         seconds = record["generation_seconds"]
         record["tokens_per_s"] = tokens[record["setting"]] / seconds if seconds > 0 else 0.0
@@ -286,18 +304,13 @@ def _merged_runs(cfg: ScanConfig, infos: dict[int, Any]) -> tuple[list[Any], dic
 
 
 def _metrics(
-    cfg: ScanConfig,
-    paths: dict[str, Path],
-    skipped: dict[str, str],
-    runs: list[Any],
-    tokens: dict[str, int],
+    paths: dict[str, Path], present: list[Any], runs: list[Any], tokens: dict[str, int]
 ) -> dict[str, dict[str, float]]:
     """``metrics.json`` (reference setting) and ``settings.json`` (every setting, least
     mismatch first), streamed over all parts; as ``scan._metrics`` writes them."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
 
     seconds = {r.setting: r.generation_seconds for r in runs}
-    present = [s for s in cfg.settings() if s.rollout.name not in skipped]
     results = {
         s: compute_metrics(paths["tokens"], MetricsConfig(), setting=s.name) for s in present
     }

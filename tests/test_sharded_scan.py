@@ -189,3 +189,55 @@ def test_sharded_run_files(scans: Scans) -> None:
     assert compute_metrics(out).flat()["num_tokens"] == flat[0]["num_tokens"]
     if reports[0]["curves"]["worst_tokens"] == reports[1]["curves"]["worst_tokens"]:
         assert_same_metrics(flat[0], flat[1])  # bit-identical log-probs: same numbers
+
+
+@pytest.fixture(scope="module")
+def moe_scans(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny MoE model scanned in one process and in 2 shards run here one after the other
+    (no Ray: the shard code is the same; Ray is covered above), both replay modes."""
+    from mismatch_probe.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("moe_sharded")
+    model = build_tiny_model(root / "qwen3_moe", arch="qwen3_moe")
+    prompts = root / "p.jsonl"
+    texts = ["What is the capital of France?", "Solve 3x + 5 = 20.", "def add(a, b):"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    base = ScanConfig(
+        model=model,
+        prompts=prompts,
+        samples_per_prompt=2,
+        sampling=SamplingSpec(max_tokens=12),
+        rollout_dtypes=("float32",),
+        routing_replay=("none", "rollout"),
+        vllm_args={"kv_cache_memory_bytes": 64 << 20},
+    )
+    run_scan(replace(base, out=root / "plain"), QUIET)
+    run_scan(replace(base, out=root / "sharded", shards=2), QUIET)
+    return root / "plain", root / "sharded"
+
+
+def sorted_routes(path: Path) -> Any:
+    table = pq.read_table(path, columns=["setting", "seq_id", "position", "rollout_experts"])
+    return table.sort_by(
+        [("setting", "ascending"), ("seq_id", "ascending"), ("position", "ascending")]
+    )
+
+
+def test_sharded_moe_scan_stores_the_same_routes(moe_scans: tuple[Path, Path]) -> None:
+    plain, sharded = moe_scans
+    assert dataset.part_files(sharded / "routing") == [
+        sharded / "routing" / f"shard={k}" / dataset.PART for k in range(2)
+    ]
+    a, b = sorted_tokens(plain / store.TOKENS_FILE), sorted_tokens(sharded / store.TOKENS_DIR)
+    for column in ("setting", "seq_id", "position", "token_id"):
+        assert b.column(column).equals(a.column(column)), column
+    routes = [sorted_routes(plain / "routing.parquet"), sorted_routes(sharded / "routing")]
+    assert routes[0].num_rows > 0 and routes[1].equals(routes[0])
+    run = json.loads((sharded / store.RUN_FILE).read_text())
+    assert run["routing"]["top_k"] == 2
+    data = [json.loads((p / "routing.json").read_text()) for p in moe_scans]
+    assert data[1].keys() == data[0].keys()
+    for key in data[0]:
+        got, want = data[1][key]["metrics"], data[0][key]["metrics"]
+        assert got["layer_disagreement"] == pytest.approx(want["layer_disagreement"], abs=1e-12)
+    assert "## MoE routing" in (sharded / "report.md").read_text()

@@ -31,7 +31,8 @@ def split_store(path: Path, table_dir: Path, parts: int) -> None:
     groups = pf.num_row_groups
     for k in range(parts):
         chosen = range(k * groups // parts, (k + 1) * groups // parts)
-        with pq.ParquetWriter(dataset.part_path(table_dir, k), pf.schema_arrow) as writer:
+        part = dataset.part_path(table_dir, k)
+        with pq.ParquetWriter(part, pf.schema_arrow, compression="zstd") as writer:
             for i in chosen:
                 writer.write_table(pf.read_row_group(i))
         dataset.mark_done(table_dir, k, {"row_groups": len(chosen)})
