@@ -184,7 +184,7 @@ def _reset(tokens_dir: Path, seq_dir: Path, routing_dir: Path, shard: int) -> No
     folder = dataset.shard_dir(tokens_dir, shard)
     folder.mkdir(parents=True, exist_ok=True)
     who = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-    (folder / RUNNING).write_text(json.dumps(who) + "\n", encoding="utf-8")
+    store.write_json(folder / RUNNING, who)
 
 
 def _run_record(run: Any) -> dict[str, Any]:
