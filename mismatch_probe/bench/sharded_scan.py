@@ -64,4 +64,5 @@ def bench_sharded_scan() -> dict[str, Any]:
     out["ray_overhead_share"] = overhead / ray_wall
     out["sharding_cost_s"] = out["shards_in_process"]["wall_s"] - out["one_process"]["wall_s"]
     out["same_tokens"] = len({v["tokens"] for v in out.values() if isinstance(v, dict)}) == 1
+    out["load_average_1m_after"] = os.getloadavg()[0]  # other work on the machine, for context
     return out
