@@ -67,15 +67,15 @@ def kill_second_shard(tokens_dir: Path, found: dict[str, int], timeout: float = 
         time.sleep(0.1)
 
 
-def engine_children() -> list[str]:
-    """Engine processes still running (a zombie has exited and holds no memory: vLLM's shutdown
-    leaves its engine-core process unreaped)."""
+def engine_children(ignore: frozenset[int] = frozenset()) -> list[str]:
+    """Engine processes still running, except ``ignore`` (a zombie has exited and holds no
+    memory: vLLM's shutdown leaves its engine-core process unreaped)."""
     import psutil
 
     return [
         f"{p.pid} {p.name()}"
         for p in psutil.Process().children(recursive=True)
-        if "VLLM" in p.name() and p.status() != psutil.STATUS_ZOMBIE
+        if "VLLM" in p.name() and p.status() != psutil.STATUS_ZOMBIE and p.pid not in ignore
     ]
 
 
@@ -97,9 +97,11 @@ def scans(
     )
     alive: list[str] = []
     load = rescore.load_model
+    # engines started before this scan (the session's EnginePool keeps one) are not its own
+    earlier = frozenset(int(e.split()[0]) for e in engine_children())
 
     def checked_load(*args: Any, **kwargs: Any) -> Any:
-        alive.extend(engine_children())
+        alive.extend(engine_children(earlier))
         return load(*args, **kwargs)
 
     monkeypatch_module.setattr(rescore, "load_model", checked_load)
