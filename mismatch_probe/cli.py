@@ -45,6 +45,8 @@ from mismatch_probe.options import (
     OutOpt,
     PromptsOpt,
     QuantizationOpt,
+    RayOpt,
+    ResumeOpt,
     RolloutDtypeOpt,
     RoutingReplayOpt,
     RunDirArg,
@@ -52,6 +54,7 @@ from mismatch_probe.options import (
     SamplesOpt,
     SeedOpt,
     SettingOpt,
+    ShardsOpt,
     SignificanceOpt,
     SourceArg,
     StaleModelOpt,
@@ -61,6 +64,7 @@ from mismatch_probe.options import (
     TemperatureOpt,
     TopKOpt,
     TopPOpt,
+    TrainDeviceMapOpt,
     TrainDtypeOpt,
     TrustPickleOpt,
     VllmArgOpt,
@@ -267,6 +271,10 @@ def scan(
     force: ForceOpt = SCAN.force,
     attribute: AttributeOpt = SCAN.attribute,
     stale_model: StaleModelOpt = SCAN.stale_model,
+    train_device_map: TrainDeviceMapOpt = SCAN.train_device_map,
+    shards: ShardsOpt = SCAN.shards,
+    ray: RayOpt = SCAN.ray,
+    resume: ResumeOpt = SCAN.resume,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
@@ -280,6 +288,7 @@ def scan(
     from mismatch_probe.rollout import parse_engine_args
     from mismatch_probe.scan import run_scan
     from mismatch_probe.settings import parse_on_off, split_list
+    from mismatch_probe.sharding import run_sharded
 
     if logprobs_mode is None:
         logprobs_mode = "raw" if attribute else SCAN.sampling.logprobs_mode
@@ -308,8 +317,12 @@ def scan(
         attribute=attribute,
         stale_model=stale_model,
         batch_invariant=batch_invariant,
+        train_device_map=train_device_map,
+        shards=shards,
+        ray=ray,
+        resume=resume,
     )
-    result = run_scan(cfg, Console(stderr=True))
+    result = (run_sharded if cfg.sharded else run_scan)(cfg, Console(stderr=True))
     console = _stdout_console()
     render_run(result.report, console)
     render_summary(result, console)

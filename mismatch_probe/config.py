@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe.devices import DEVICE_MAPS
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import (
@@ -69,6 +70,10 @@ class ScanConfig:
     attribute: bool = False  # score the same tokens at every rung (attribution spec)
     stale_model: Path | None = None  # --attribute: a later checkpoint (the staleness rung)
     batch_invariant: bool = False  # --vllm-arg VLLM_BATCH_INVARIANT=1 (set around engine starts)
+    train_device_map: str | None = None  # devices.DEVICE_MAPS; None: devices.default_device_map
+    shards: int = 1  # > 1: a sharded scan (sharding.py), one part of the store per shard
+    ray: str | None = None  # run the shards as Ray tasks: "local" or a cluster address
+    resume: bool = False  # sharded: skip the finished shards of the same --out
 
     def __post_init__(self) -> None:
         s = self.sampling
@@ -82,6 +87,8 @@ class ScanConfig:
         _check_all(self.quantizations, QUANTIZATIONS, "--quantization")
         _check_all(self.lm_head_fp32, (False, True), "--lm-head-fp32")
         _check_all(self.routing_replay, REPLAY_MODES, "--routing-replay")
+        if self.train_device_map is not None:
+            _check_all((self.train_device_map,), DEVICE_MAPS, "--train-device-map")
         checks = [
             (s.max_tokens >= 1, f"--max-tokens must be >= 1, got {s.max_tokens}"),
             (self.samples_per_prompt >= 1, "--samples-per-prompt must be >= 1"),
@@ -92,6 +99,9 @@ class ScanConfig:
             (self.batch_tokens >= 1, "--batch-tokens must be >= 1"),
             (self.flip_eps is None or self.flip_eps >= 0, "--flip-eps must be >= 0"),
             (s.logprobs_mode in ("processed", "raw"), "--logprobs-mode: processed or raw"),
+            (self.shards >= 1, f"--shards must be >= 1, got {self.shards}"),
+            (not self.resume or self.out is not None, "--resume needs the --out of the run"),
+            (not self.resume or self.sharded, "--resume applies to a sharded scan (--shards)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -100,6 +110,11 @@ class ScanConfig:
             from mismatch_probe.engine_args import check_engine_args
 
             check_engine_args(self.vllm_args)
+
+    @property
+    def sharded(self) -> bool:
+        """A scan split into shards (``--shards N`` with N > 1, or run on Ray)."""
+        return self.shards > 1 or self.ray is not None
 
     def rollout_settings(self) -> list[RolloutSetting]:
         return rollout_settings(

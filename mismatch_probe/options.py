@@ -361,6 +361,43 @@ TrustPickleOpt = Annotated[
     ),
 ]
 
+TrainDeviceMapOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--train-device-map",
+        help="Where the training-side model runs: auto or balanced (split across GPUs, then "
+        "CPU), cuda (one GPU) or cpu. Default: auto when several GPUs are visible or the model "
+        "does not fit one GPU, else cuda (cpu without a GPU).",
+    ),
+]
+
+ShardsOpt = Annotated[
+    int,
+    typer.Option(
+        "--shards",
+        help="Split the prompts into N shards, each run (rollout + rescoring) on its own and "
+        "written as its part of the store (tokens/shard=K/); with --ray, one Ray task each.",
+    ),
+]
+
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="Run the shards as Ray tasks: local (start a local Ray instance), auto (the cluster "
+        "this machine belongs to) or a cluster address such as ray://head:10001.",
+    ),
+]
+
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Sharded scan: skip the finished shards in --out and redo the others; options "
+        "that differ from the recorded run are refused.",
+    ),
+]
+
 # --- the metric options block, shared by `probe metrics` and `probe report` ------------------
 
 # (parameter name, option type, default from MetricsConfig's field): `metric_options` adds these

@@ -33,6 +33,8 @@ class Prepared:
     max_model_len: int
     tokenizer: Any = field(repr=False)  # a transformers tokenizer
     routing: Routing | None = None  # a mixture-of-experts model's routing, else None
+    batch_invariant: bool = False  # VLLM_BATCH_INVARIANT asked for (and supported here)
+    train_devices: dict[str, Any] = field(default_factory=dict)  # train dtype -> device map
 
 
 @dataclass

@@ -44,22 +44,32 @@ class Scored:
     support_flip: np.ndarray  # [R] bool
 
 
-def load_model(path: Path, dtype: str) -> Any:
-    """Load a causal LM in ``dtype`` (always explicit: transformers 5 defaults to "auto")."""
+def load_model(path: Path, dtype: str, device_map: str | None = None, **placement: Any) -> Any:
+    """Load a causal LM in ``dtype`` (always explicit: transformers 5 defaults to "auto").
+
+    ``device_map`` is one of ``devices.DEVICE_MAPS`` (None: ``devices.default_device_map`` of
+    this machine: one GPU when the model fits it, split across GPUs otherwise, CPU without a
+    GPU); ``placement`` (``max_memory``, ``offload_folder``) goes to ``devices.load_kwargs``.
+    """
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from mismatch_probe.devices import describe, load_kwargs, resolve
+
     hf_logging.disable_progress_bar()
-    # On a GPU machine the training side runs on the GPU, where a trainer would run it.
-    device_map = "cuda" if torch.cuda.is_available() else None
+    used = resolve(device_map, Path(path), dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), device_map=device_map, local_files_only=True
+            path,
+            dtype=getattr(torch, dtype),
+            local_files_only=True,
+            **load_kwargs(used, **placement),
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         reason = " ".join(str(exc).split())
         raise ProbeError(f"transformers could not load {path}: {reason}") from None
+    model.probe_device_map = describe(model, device_map, used)  # type: ignore[assignment]
     return model.eval()
 
 
@@ -124,11 +134,12 @@ def _score_batch(
 ) -> list[Scored]:
     import torch
 
-    device = next(model.parameters()).device
-    ids, mask, rows, cols, first = _right_padded(batch, device)
+    from mismatch_probe.devices import input_device
+
+    ids, mask, rows, cols, first = _right_padded(batch, input_device(model))
     with torch.inference_mode():
         logits = _predicting_logits(model, ids, mask, rows, cols, first)  # [N, V]
-        targets = ids[rows, cols + 1]
+        targets = ids[rows, cols + 1].to(logits.device)  # a split model's head may sit elsewhere
         chunks = [
             token_logprobs(
                 logits[i : i + ROW_CHUNK],
@@ -170,10 +181,12 @@ def _predicting_logits(
     )
     if plain:
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        return model.get_output_embeddings()(hidden[rows, cols])
+        at = hidden.device  # the last layer's device when the model is split
+        return model.get_output_embeddings()(hidden[rows.to(at), cols.to(at)])
     keep = torch.arange(first, ids.shape[1] - 1, device=ids.device)
     logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
-    return logits[rows, cols - first]
+    at = logits.device
+    return logits[rows.to(at), (cols - first).to(at)]
 
 
 def _right_padded(

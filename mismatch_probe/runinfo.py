@@ -45,6 +45,8 @@ def run_metadata(
             "chat": prep.chat,
             "sha256": prompts_hash(prep),
         },
+        "train_device_map": dict(prep.train_devices),
+        "batch_invariant": prep.batch_invariant,
         "versions": library_versions(),
         "hardware": hardware(),
         "timings": dict(timings),

@@ -57,9 +57,12 @@ class Timer:
 
 
 def prepare(cfg: ScanConfig) -> Prepared:
-    """Resolve the model, load the tokenizer, read and encode the prompts (no engine yet)."""
+    """Check the options the backend must support, resolve the model, load the tokenizer, read
+    and encode the prompts (no engine yet)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    attribution.check(cfg)
+    invariant = batch_invariant.check(cfg.batch_invariant)
     model_dir = models.resolve_model(cfg.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -80,7 +83,7 @@ def prepare(cfg: ScanConfig) -> Prepared:
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
     longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1
     max_len = min(context, longest)
-    return Prepared(model_dir, prompts_path, chat, encoded, max_len, tokenizer, routing)
+    return Prepared(model_dir, prompts_path, chat, encoded, max_len, tokenizer, routing, invariant)
 
 
 def _context_length(config: Any, tokenizer: Any) -> int:
@@ -97,23 +100,17 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     """Run the whole pipeline and write the token store (``store.TOKENS_FILE``,
     ``SEQUENCES_FILE``), the metrics (``METRICS_FILE``, ``SETTINGS_FILE``), ``RUN_FILE`` and the
     reports into the output directory (plus ``ROUTING_FILE`` and ``ROUTING_METRICS_FILE`` for a
-    mixture-of-experts model)."""
+    mixture-of-experts model). A sharded scan is ``sharding.run_sharded``."""
     from mismatch_probe.report import load_report, write_outputs
 
     timer = Timer()
-    attribution.check(cfg)
-    invariant = batch_invariant.check(cfg.batch_invariant)
     with timer("prepare"):
         prep = prepare(cfg)
         out = check_out(cfg, cfg.out_dir(prep.model_dir.name))
     with make_progress(console) as progress:
-        runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
-        if cfg.same_tokens:
-            _share_tokens(cfg, prep, runs, timer)
-        scored = _rescore_all(cfg, prep, runs, timer, progress)
+        runs, scored = sample_and_rescore(cfg, prep, timer, progress)
     with timer("writing"):
         run = run_metadata(cfg, prep, runs, timer.seconds)
-        run["batch_invariant"] = invariant
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
             paths.update(stage.write_routing(out, scored, prep.routing, run))
@@ -146,6 +143,18 @@ def check_out(cfg: ScanConfig, out: Path) -> Path:
             "--force to replace its files"
         )
     return store.writable_dir(out, "--out")
+
+
+def sample_and_rescore(
+    cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any
+) -> tuple[list[RolloutRun], dict[Setting, Rescored]]:
+    """The engine and training stages: every rollout setting sampled (or scored on the first
+    setting's tokens with ``same_tokens``), then every setting rescored (with the attribution
+    rungs under ``--attribute``). Used by a whole scan and by each shard of a sharded one."""
+    runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
+    if cfg.same_tokens:
+        _share_tokens(cfg, prep, runs, timer)
+    return runs, _rescore_all(cfg, prep, runs, timer, progress)
 
 
 @contextmanager
@@ -243,7 +252,8 @@ def _rescore_all(
     scored: dict[Setting, Rescored] = {}
     for train_dtype in cfg.train_dtypes:
         with timer("model_load"):
-            model = rescore.load_model(prep.model_dir, train_dtype)
+            model = rescore.load_model(prep.model_dir, train_dtype, cfg.train_device_map)
+            prep.train_devices[train_dtype] = model.probe_device_map
         for run, mode in itertools.product(done, cfg.routing_replay):
             setting = Setting(run.setting, train_dtype, mode)
             with timer("rescoring"):
@@ -283,21 +293,33 @@ def _advance(progress: Any, task: Any, n: int) -> None:
     progress.update(task, advance=n)
 
 
-def write_store(
-    out: Path, scored: dict[Setting, Rescored], tokenizer: Any, run: dict[str, Any]
-) -> dict[str, Path]:
-    """Write ``tokens.parquet`` and ``sequences.parquet`` (atomically), every setting in one
-    file, each setting's sequences contiguous with their own seq_id range."""
-    paths = {"tokens": out / store.TOKENS_FILE, "sequences": out / store.SEQUENCES_FILE}
+def store_tables(scored: dict[Setting, Rescored], tokenizer: Any) -> tuple[pa.Table, pa.Table]:
+    """The token and sequence tables of every setting (each setting's sequences contiguous,
+    with their own seq_id range; the ``--attribute`` rung columns where present)."""
     tokens, sequences = [], []
     for setting, r in scored.items():
         table = token_table(setting.name, r.rollouts, r.scored, tokenizer, r.seq_offset)
         tokens.append(attribution.with_rungs(table, r.rungs) if r.rungs else table)
         sequences.append(sequence_table(setting.name, r.rollouts, tokenizer, r.seq_offset))
-    table = pa.concat_tables(tokens, promote_options="default")
-    store.write_table(paths["tokens"], table, store.token_schema(table.column_names), run)
-    store.write_table(paths["sequences"], pa.concat_tables(sequences), store.SEQUENCE_SCHEMA, run)
+    return pa.concat_tables(tokens, promote_options="default"), pa.concat_tables(sequences)
+
+
+def write_store(
+    out: Path, scored: dict[Setting, Rescored], tokenizer: Any, run: dict[str, Any]
+) -> dict[str, Path]:
+    """Write ``tokens.parquet`` and ``sequences.parquet`` (atomically), every setting in one
+    file."""
+    paths = {"tokens": out / store.TOKENS_FILE, "sequences": out / store.SEQUENCES_FILE}
+    write_tables(paths["tokens"], paths["sequences"], *store_tables(scored, tokenizer), run)
     return paths
+
+
+def write_tables(
+    tokens_path: Path, sequences_path: Path, tokens: pa.Table, sequences: pa.Table, run: Any
+) -> None:
+    """The two tables of ``store_tables`` into their files (or a shard's parts), atomically."""
+    store.write_table(tokens_path, tokens, store.token_schema(tokens.column_names), run)
+    store.write_table(sequences_path, sequences, store.SEQUENCE_SCHEMA, run)
 
 
 def _metrics(

@@ -10,6 +10,10 @@ A run directory holds
 * ``run.json``: the run metadata, also stored in both files' key-value metadata under
   ``mismatch_probe.run``.
 
+A sharded scan writes ``tokens/`` and ``sequences/`` directories of parts instead
+(``dataset``: ``tokens/shard=K/part-0.parquet``); every reader here takes a file or such a
+directory alike.
+
 Sign convention used by every later stage: ``r = train_logprob - rollout_logprob``.
 
 This module knows nothing about vLLM or transformers; it writes and reads tables.
@@ -28,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mismatch_probe.dataset import part_files
 from mismatch_probe.errors import ProbeError
 
 SCHEMA_VERSION = "1"
@@ -90,6 +95,9 @@ RUN_FILE = "run.json"  # the run metadata
 METRICS_FILE = "metrics.json"  # the reference setting's metrics, curves included
 SETTINGS_FILE = "settings.json"  # every setting's flat metrics, least mismatch first
 ROUTING_FILE = "routing.parquet"  # MoE: both sides' expert ids (routing/store.py)
+TOKENS_DIR = "tokens"  # a sharded scan's parts instead of TOKENS_FILE (``dataset``)
+SEQUENCES_DIR = "sequences"  # ... instead of SEQUENCES_FILE
+ROUTING_DIR = "routing"  # ... instead of ROUTING_FILE
 ROUTING_METRICS_FILE = "routing.json"  # MoE: disagreement and the mismatch split by it
 STEPS_FILE = "steps.json"  # an ingested run's metrics per training step
 REPORT_FILE = "report.md"
@@ -246,9 +254,16 @@ def all_finite(data: Any) -> bool:
 
 
 def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.ParquetFile:
-    """Open a token store, checking it is readable Parquet with the ``required`` columns."""
-    if not path.exists():
-        raise ProbeError(f"no such file: {path}")
+    """Open a token store, checking it is readable Parquet with the ``required`` columns.
+
+    ``path`` may be a directory of parts (``dataset.part_files``): every part is checked, and
+    the first one is returned (its schema is the store's: use it for column names and metadata).
+    """
+    opened = [_open_part(p, required) for p in part_files(path)]
+    return opened[0]
+
+
+def _open_part(path: Path, required: Sequence[str]) -> pq.ParquetFile:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
@@ -264,8 +279,19 @@ def open_parquet(path: Path, required: Sequence[str] = METRIC_COLUMNS) -> pq.Par
 
 
 def resolve_tokens_path(path: Path) -> Path:
-    """A run directory or a Parquet file -> the token store's path."""
-    return path / TOKENS_FILE if path.is_dir() else path
+    """A run directory, a Parquet file or a directory of parts -> the token store's path: a run
+    directory's ``tokens.parquet``, else its sharded ``tokens/`` directory."""
+    if not path.is_dir():
+        return path
+    single, sharded = path / TOKENS_FILE, path / TOKENS_DIR
+    if single.exists() or not (sharded.is_dir() or _holds_parts(path)):
+        return single
+    return sharded if sharded.is_dir() else path
+
+
+def _holds_parts(path: Path) -> bool:
+    """True for a directory that is itself a table (``shard=K`` folders or Parquet parts)."""
+    return any(p.name.startswith("shard=") or p.suffix == ".parquet" for p in path.iterdir())
 
 
 def read_run_metadata(path: Path) -> dict[str, Any]:
@@ -291,11 +317,13 @@ def iter_sequence_batches(
         With ``row_groups``, only those row groups are read (see ``step_row_groups``).
     """
     cols = list(dict.fromkeys(["seq_id", *columns]))
-    pf = open_parquet(path, required=cols)
+    files = [_open_part(p, cols) for p in part_files(path)]
     seen: set[int] = set()
     carry: pa.Table | None = None
     try:
-        for group in _chunks(pf, cols, row_groups):
+        if row_groups is not None and len(files) > 1:
+            raise ProbeError(f"{path}: row groups (one training step) of a sharded store")
+        for group in (chunk for pf in files for chunk in _chunks(pf, cols, row_groups)):
             if carry is not None:
                 group = pa.concat_tables([carry, group])
             if group.num_rows == 0:

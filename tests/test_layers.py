@@ -16,17 +16,20 @@ PACKAGE = Path(mismatch_probe.__file__).parent
 
 # Rank of each top-level module or package of mismatch_probe, top of the pipeline first.
 RANKS = {
-    "cli": 9, "options": 8,  # the thin layer: options declared once
+    "cli": 10, "options": 8,  # the thin layer: options declared once
+    "sharding": 9,  # a scan split into shards (in this process or as Ray tasks)
     "scan": 7, "ingest": 7,  # the pipelines: our rollouts, or a framework's logs
-    "runinfo": 6, "attribution": 6,  # the scan's metadata, the --attribute rungs
+    "runinfo": 6, "attribution": 6, "raycluster": 6,  # run.json, --attribute rungs, Ray tasks
     "records": 5, "config": 5,  # the records passed between stages, the scan's config
     "report": 4, "tables": 4,  # stages: report renders, tables shapes the store's rows
     "routing": 3,
     "rollout": 2, "rescore": 2, "metrics": 2, "engine_args": 2, "batch_invariant": 2,
     "sampling": 1, "settings": 1, "prompts": 1, "models": 1, "tiny": 1, "progress": 1,
+    "devices": 1,
     "checkpoint": 0,
     "store": 0,  # the contract between stages
-    "errors": -1,
+    "dataset": -1,  # a sharded store's parts
+    "errors": -2,
 }  # fmt: skip
 # Imports that render: only the reports stage may make them.
 RENDERING = ("rich.table", "rich.columns", "matplotlib")

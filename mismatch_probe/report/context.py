@@ -76,7 +76,7 @@ class RunContext:
 
     @property
     def tokens_path(self) -> Path:
-        return self.run_dir / store.TOKENS_FILE
+        return store.resolve_tokens_path(self.run_dir)
 
     @property
     def label(self) -> str:
@@ -113,7 +113,7 @@ def load_run(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ProbeError(f"{run_dir} is not a run directory")
-    tokens = run_dir / store.TOKENS_FILE
+    tokens = store.resolve_tokens_path(run_dir)
     store.open_parquet(tokens)
     if data is None or (metrics_config is not None and data["config"] != metrics_config.describe()):
         data = _metrics_data(run_dir, metrics_config, setting)
@@ -137,7 +137,7 @@ def _run_metadata(run_dir: Path) -> dict[str, Any]:
             return dict(store.read_json(path))
         except (OSError, TypeError, ValueError):
             raise ProbeError(f"{path} is not valid JSON of finite numbers") from None
-    return store.read_run_metadata(run_dir / store.TOKENS_FILE)
+    return store.read_run_metadata(store.resolve_tokens_path(run_dir))
 
 
 def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -162,12 +162,12 @@ def _metrics_data(
     stored = _stored_metrics(run_dir) if setting is None else None
     if stored is not None and (config is None or stored["config"] == config.describe()):
         return stored
-    return compute_metrics(run_dir / store.TOKENS_FILE, config, setting).to_json_dict()
+    return compute_metrics(store.resolve_tokens_path(run_dir), config, setting).to_json_dict()
 
 
 def _token_texts(path: Path, seq_ids: list[int]) -> dict[int, tuple[np.ndarray, list[str]]]:
     """``seq_id -> (positions, texts)`` sorted by position, for the given sequences only."""
-    names = pq.ParquetFile(path).schema_arrow.names
+    names = store.open_parquet(path, required=()).schema_arrow.names
     if not seq_ids or "token_text" not in names:
         return {}
     table = pq.read_table(
@@ -219,7 +219,7 @@ class TokenProbs(NamedTuple):
 def read_token_probs(path: Path, setting: str | None = None) -> TokenProbs:
     """Every token's rollout and training probability (for the scatter plot of small runs),
     only those of ``setting`` when one is given."""
-    names = pq.ParquetFile(path).schema_arrow.names
+    names = store.open_parquet(path, required=()).schema_arrow.names
     has_flip = "support_flip" in names
     cols = ["rollout_logprob", "train_logprob"] + (["support_flip"] if has_flip else [])
     where = [("setting", "=", setting)] if setting is not None else None

@@ -24,7 +24,7 @@ from mismatch_probe.report.sections import visible
 
 def setting_names(run_dir: Path) -> list[str]:
     """The settings in the token store, in the scan's order (first = the reference)."""
-    tokens = run_dir / store.TOKENS_FILE
+    tokens = store.resolve_tokens_path(run_dir)
     if "setting" not in store.open_parquet(tokens).schema_arrow.names:
         return []
     present = pq.read_table(tokens, columns=["setting"]).column("setting").unique().to_pylist()
@@ -52,7 +52,8 @@ def setting_entries(
     for name in names:
         data = (computed or {}).get(name)
         if data is None or data["config"] != cfg.describe():
-            data = compute_metrics(run_dir / store.TOKENS_FILE, cfg, setting=name).to_json_dict()
+            tokens = store.resolve_tokens_path(run_dir)
+            data = compute_metrics(tokens, cfg, setting=name).to_json_dict()
         flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
         if name in speed:
             flat["rollout_tokens_per_s"] = speed[name]

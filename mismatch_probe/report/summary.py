@@ -48,6 +48,7 @@ PHASES = (
     "generation",
     "forced_scoring",
     "attribution_prefill",
+    "shards",
     "engine_stop",
     "model_load",
     "rescoring",

@@ -73,10 +73,15 @@ def train_routing(
 
 
 def write_routing(
-    out: Path, scored: dict[Setting, Any], routing: Routing, run: dict[str, Any]
+    out: Path,
+    scored: dict[Setting, Any],
+    routing: Routing,
+    run: dict[str, Any],
+    path: Path | None = None,
 ) -> dict[str, Path]:
-    """``routing.parquet``: both sides' routes of every setting, keyed like the token store;
-    records the routing shape and capture path in ``run`` (``run["routing"]``)."""
+    """``routing.parquet`` (or ``path``: a sharded scan's part): both sides' routes of every
+    setting, keyed like the token store; records the routing shape and capture path in ``run``
+    (``run["routing"]``)."""
     from mismatch_probe.routing import store as routing_store
 
     tables = [
@@ -89,7 +94,7 @@ def write_routing(
         )
         for setting, rescored in scored.items()
     ]
-    path = out / store.ROUTING_FILE
+    path = path or out / store.ROUTING_FILE
     capture_path = routing.setup.capture_path
     routing_store.write_routing(path, pa.concat_tables(tables), routing.shape, capture_path, run)
     run["routing"] = routing_store.routing_metadata(routing.shape, capture_path)
@@ -101,6 +106,7 @@ def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:
     disagreement, the mismatch split by it, and what each replay mode removes. The report
     draws its section and plots from it."""
     from mismatch_probe.routing.metrics import analyze_run
+    from mismatch_probe.routing.store import resolve_routing_path
     from mismatch_probe.settings import Setting
 
     groups: dict[str, dict[str, str]] = {}
@@ -108,7 +114,8 @@ def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:
         groups.setdefault(Setting(s.rollout, s.train_dtype).name, {})[s.replay] = s.name
     results = {}
     for label, modes in groups.items():
-        metrics, comparison = analyze_run(out / store.TOKENS_FILE, out / store.ROUTING_FILE, modes)
+        tokens, routes = store.resolve_tokens_path(out), resolve_routing_path(out)
+        metrics, comparison = analyze_run(tokens, routes, modes)
         results[label] = {
             "settings": modes,
             "metrics": metrics.to_json_dict(),

@@ -129,7 +129,7 @@ class RoutingData:
 
 def read_routing(path: Path, setting: str | None = None) -> RoutingData:
     """Read ``routing.parquet`` (a run directory or the file), one setting or all."""
-    path = path / store.ROUTING_FILE if path.is_dir() else path
+    path = resolve_routing_path(path)
     store.open_parquet(path, required=ROUTING_COLUMNS)
     meta = store.read_run_metadata(path).get("routing")
     if not meta:
@@ -145,6 +145,21 @@ def read_routing(path: Path, setting: str | None = None) -> RoutingData:
         train=_unnest(table.column("train_experts"), shape),
         meta=meta,
     )
+
+
+def resolve_routing_path(path: Path) -> Path:
+    """A run directory -> its ``routing.parquet``, else its sharded ``routing/`` directory; a
+    file or a directory of parts as it is."""
+    from mismatch_probe import dataset
+
+    if not path.is_dir():
+        return path
+    single, parts = path / store.ROUTING_FILE, path / store.ROUTING_DIR
+    if single.exists():
+        return single
+    if parts.is_dir():
+        return parts
+    return path if dataset.shards(path) else single
 
 
 def _unnest(column: pa.ChunkedArray, shape: tuple[int, int, int]) -> np.ndarray:

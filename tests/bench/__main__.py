@@ -1,5 +1,5 @@
-"""Run the benchmarks:
-``python -m tests.bench [rescoring] [scan] [metrics] [ingest] [attribution]``."""
+"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics] [ingest]
+[attribution] [sharded_scan] [sharded_metrics]``."""
 
 from __future__ import annotations
 
@@ -47,12 +47,26 @@ def _attribution() -> dict[str, Any]:
     return bench_attribution()
 
 
+def _sharded_scan() -> dict[str, Any]:
+    from tests.bench.sharded_scan import bench_sharded_scan
+
+    return bench_sharded_scan()
+
+
+def _sharded_metrics() -> dict[str, Any]:
+    from tests.bench.sharded_metrics import bench_sharded_metrics
+
+    return bench_sharded_metrics()
+
+
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "scan": _scan,
     "metrics": _metrics,
     "ingest": _ingest,
     "attribution": _attribution,
+    "sharded_scan": _sharded_scan,
+    "sharded_metrics": _sharded_metrics,
 }
 
 
