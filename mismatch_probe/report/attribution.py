@@ -44,7 +44,7 @@ Attribution = dict[str, dict[str, Any]]  # setting -> {"links": {...}, "dominant
 
 def compute(run_dir: Path) -> Attribution:
     """Attribution of every setting from ``tokens.parquet`` ({} without rung columns)."""
-    return compute_attribution(Path(run_dir) / store.TOKENS_FILE)
+    return compute_attribution(store.resolve_tokens_path(Path(run_dir)))
 
 
 def load(run_dir: Path) -> Attribution:

@@ -22,6 +22,7 @@ from mismatch_probe import store
 from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.config import parse_is
 from mismatch_probe.report.context import RunContext, read_token_probs
+from mismatch_probe.report.sections import visible
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -268,7 +269,8 @@ PLOTS: dict[str, tuple[str, PlotFn]] = {
 
 def subtitle(ctx: RunContext) -> str:
     model = ctx.run.get("model", {}).get("name", "")
-    return f"{model}  {ctx.label}  ({ctx.metrics.get('num_tokens', 0):,.0f} tokens)".strip()
+    text = f"{model}  {ctx.label}  ({ctx.metrics.get('num_tokens', 0):,.0f} tokens)".strip()
+    return visible(text)  # a model or setting name's control characters, escaped
 
 
 def write_plots(ctx: RunContext, out_dir: Path) -> dict[str, tuple[Path, str]]:

@@ -71,7 +71,7 @@ def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[s
     from mismatch_probe.metrics import MetricsConfig
     from mismatch_probe.metrics.steps import compute_step_metrics, list_steps
 
-    if not list_steps(run_dir / store.TOKENS_FILE):
+    if not list_steps(store.resolve_tokens_path(run_dir)):
         return {}
     path = run_dir / store.STEPS_FILE
     try:
@@ -81,7 +81,7 @@ def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[s
     except (OSError, ValueError, KeyError, TypeError):
         pass
     cfg = _config_from(config) if config is not None else MetricsConfig()
-    steps = compute_step_metrics(run_dir / store.TOKENS_FILE, cfg)
+    steps = compute_step_metrics(store.resolve_tokens_path(run_dir), cfg)
     write_steps(run_dir, steps, cfg.describe())
     return steps
 
@@ -262,12 +262,12 @@ def step_metrics(run_dir: Path, step: str) -> dict[str, float]:
         from mismatch_probe.errors import ProbeError
 
         raise ProbeError(f"{run_dir} is not a run directory")
-    number = resolve_step(run_dir / store.TOKENS_FILE, step)
+    number = resolve_step(store.resolve_tokens_path(run_dir), step)
     try:
         data = json.loads((run_dir / store.STEPS_FILE).read_text())
         return {k: float(v) for k, v in data["steps"][str(number)].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return compute_metrics(run_dir / store.TOKENS_FILE, step=number).flat()
+        return compute_metrics(store.resolve_tokens_path(run_dir), step=number).flat()
 
 
 def render_ingest(result: Any, console: Any) -> None:
