@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from mismatch_probe import interrupt
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.config import MetricsConfig
@@ -48,6 +49,7 @@ from mismatch_probe.options import (
     TopKOpt,
     TopPOpt,
     TrainDtypeOpt,
+    VerboseOpt,
     VllmArgOpt,
     metric_options,
 )
@@ -96,14 +98,25 @@ def _stdout_console() -> Console:
 
 
 def main() -> None:
-    """Console-script entry point: run the app, turning ``ProbeError`` into exit code 2."""
+    """Console-script entry point: run the app, turning ``ProbeError`` into exit code 2 and
+    an interrupt (SIGINT, SIGTERM) into one line and exit code 130 or 143."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local paths; never a hub
+    from mismatch_probe.engine_process import descendants
+
+    before = set(descendants())
     try:
-        code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
+        with interrupt.handled():
+            code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
+    except interrupt.Interrupted as exc:
+        _stop_engines(before)
+        print(exc.message(), file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
     except ProbeError as exc:
+        _stop_engines(before)
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except (typer.Abort, KeyboardInterrupt):
+        _stop_engines(before)
         print("aborted", file=sys.stderr)
         raise SystemExit(130) from None
     except typer.Exit as exc:
@@ -115,6 +128,14 @@ def main() -> None:
         raise SystemExit(2) from None
     if isinstance(code, int) and code:
         raise SystemExit(code)
+
+
+def _stop_engines(before: set[int]) -> None:
+    """No engine process outlives a command that failed or was interrupted: what the command
+    started and is still running is stopped (processes that were there before are left)."""
+    from mismatch_probe.engine_process import stop_children
+
+    stop_children(exclude=before)
 
 
 # --- reports ----------------------------------------------------------------------------------
@@ -205,6 +226,7 @@ def scan(
     vllm_arg: VllmArgOpt = None,
     batch_tokens: BatchTokensOpt = SCAN.batch_tokens,
     flip_eps: FlipEpsOpt = SCAN.flip_eps,
+    verbose: VerboseOpt = SCAN.verbose,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
@@ -237,6 +259,7 @@ def scan(
         vllm_args=parse_engine_args(vllm_arg or []),
         batch_tokens=batch_tokens,
         flip_eps=flip_eps,
+        verbose=verbose,
     )
     result = run_scan(cfg, Console(stderr=True))
     console = _stdout_console()

@@ -57,6 +57,7 @@ class ScanConfig:
     vllm_args: dict[str, Any] = field(default_factory=dict)
     batch_tokens: int = 2048
     flip_eps: float | None = None  # None: FLIP_EPS[rollout dtype]
+    verbose: bool = False  # the engines' logs on the terminal instead of a log file
 
     def __post_init__(self) -> None:
         s = self.sampling

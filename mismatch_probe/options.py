@@ -238,6 +238,15 @@ FlipEpsOpt = Annotated[
     ),
 ]
 
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        help="Show the engine's logs (vLLM, Triton, torch) on the terminal; by default they go "
+        "to a log file under the cache, named when an engine fails.",
+    ),
+]
+
 
 # --- the metric options block, shared by `probe metrics` and `probe report` ------------------
 

@@ -50,6 +50,7 @@ class RolloutRun:
     routes: list[np.ndarray] | None = None  # MoE: per rollout [P + R - 1, L, K] expert ids
     engine_args: dict[str, Any] = field(default_factory=dict)
     engine_env: dict[str, str] = field(default_factory=dict)
+    engine_mode: str | None = None  # rollout.IN_PROCESS or MULTIPROCESS (None: not started)
 
     @property
     def tokens_per_s(self) -> float:

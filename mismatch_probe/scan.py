@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from mismatch_probe import models, rescore, rollout, store
+from mismatch_probe import engine_process, interrupt, models, rescore, rollout, store
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.progress import make_progress, vllm_progress
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 
 class Timer:
-    """Wall-clock seconds per phase: ``with timer("generation"): ...``."""
+    """Wall-clock seconds per phase: ``with timer("generation"): ...`` (also names the stage an
+    interrupt reports)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -50,7 +51,8 @@ class Timer:
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with interrupt.stage(phase):
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
@@ -99,16 +101,19 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     from mismatch_probe.report import load_report, write_outputs
 
     timer = Timer()
+    started = time.time()
     with timer("prepare"):
         prep = prepare(cfg)
     with make_progress(console) as progress:
-        runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
-        if cfg.same_tokens:
-            _share_tokens(cfg, prep, runs, timer)
+        with _engine_output(cfg, console):
+            runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
+            if cfg.same_tokens:
+                _share_tokens(cfg, prep, runs, timer)
         scored = _rescore_all(cfg, prep, runs, timer, progress)
     with timer("writing"):
         out = cfg.out_dir(prep.model_dir.name)
         out.mkdir(parents=True, exist_ok=True)
+        interrupt.writing_to(out, started)
         run = run_metadata(cfg, prep, runs, timer.seconds)
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
@@ -126,9 +131,30 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         report, entries = load_report(out, computed=computed)
         paths.update(write_outputs(report, entries))
     run["timings"] = dict(timer.seconds)
-    store.write_json(paths["run"], run)
+    with interrupt.stage("writing"):
+        store.write_json(paths["run"], run)
     skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
     return ScanResult(out, paths, run, flat, skipped, report, entries)
+
+
+@contextmanager
+def _engine_output(cfg: ScanConfig, console: Any) -> Iterator[None]:
+    """The engines' output goes to a log file under the cache (named in an engine error), or
+    to the terminal with ``verbose``; ``console`` (the progress bars) stays on the terminal."""
+    if cfg.verbose:
+        yield
+        return
+    log = engine_process.new_log_path(models.cache_dir() / "logs")
+    with engine_process.captured(log) as terminal:
+        if not engine_process.writes_to_fd(console.file, 2):
+            yield  # an in-memory console (tests) keeps its buffer
+            return
+        saved = console.file
+        console.file = terminal
+        try:
+            yield
+        finally:
+            console.file = saved
 
 
 @contextmanager
@@ -144,7 +170,8 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
                 prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
             )
             run.engine_args = {**kwargs, **stage.engine_kwargs(prep.routing)}
-            run.engine_env = rollout.engine_env(stage.engine_env(prep.routing))
+            run.engine_env = rollout.engine_env(stage.engine_env(prep.routing), run.engine_args)
+            run.engine_mode = rollout.engine_mode(run.engine_env)
             llm = stack.enter_context(rollout.engine(run.engine_args, run.engine_env))
     except rollout.EngineStartError as exc:
         stack.close()
@@ -171,9 +198,10 @@ def _generate(
             return run
         start = time.perf_counter()
         bar = vllm_progress(progress, f"gen {setting.name}", total)
-        run.rollouts = rollout.generate(
-            llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
-        )
+        with interrupt.stage("generation"):
+            run.rollouts = rollout.generate(
+                llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
+            )
         run.generation_seconds = time.perf_counter() - start
         timer.seconds["generation"] = timer.seconds.get("generation", 0.0) + run.generation_seconds
         if prep.routing is not None and not cfg.same_tokens:

@@ -22,6 +22,7 @@ RANKS = {
     "routing": 3,
     "rollout": 2, "rescore": 2, "metrics": 2,
     "sampling": 1, "settings": 1, "prompts": 1, "models": 1, "tiny": 1, "progress": 1,
+    "engine_process": 1, "interrupt": 1,  # what an engine changes in the process; signals
     "store": 0,  # the contract between stages
     "errors": -1,
 }  # fmt: skip
