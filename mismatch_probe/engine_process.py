@@ -209,8 +209,15 @@ def _flush(stream: Any) -> None:
 
 # --- failures ---------------------------------------------------------------------------------
 
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
-_WRAPPERS = ("See root cause above", "Engine core initialization failed")
+# ``module.TypeError: message``, alone on its line or after a log prefix (``... [file.py:12] ``)
+_EXCEPTION_LINE = re.compile(
+    r"(?:^|\] )(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$"
+)
+_WRAPPERS = (
+    "See root cause above",
+    "Engine core initialization failed",
+    "See stack trace for root cause",
+)
 
 
 def is_wrapper(text: str) -> bool:
@@ -228,10 +235,18 @@ def root_cause(log: Path | None, offset: int = 0) -> str | None:
         text = file.read().decode("utf-8", errors="replace")
     found = None
     for line in text.splitlines():
-        match = _EXCEPTION_LINE.match(line.strip())
+        match = _EXCEPTION_LINE.search(line.strip())
         if match and not is_wrapper(match.group(2)):
             found = f"{match.group(1)}: {match.group(2)}"
     return found
+
+
+def append_traceback(log: Path, exc: BaseException) -> None:
+    """Append ``exc``'s traceback (with its causes) to ``log``."""
+    import traceback
+
+    with open(log, "a", encoding="utf-8") as file:
+        file.write("".join(traceback.format_exception(exc)))
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -7,7 +7,9 @@
 are ignored while that happens. The pipeline names its current stage with ``stage(name)`` and
 the directory it writes to with ``writing_to(path)``, so the message can say what was kept.
 
-Test hook: with ``MISMATCH_PROBE_STAGE_TRACE=FILE`` every stage entered is appended to FILE.
+Test hooks: with ``MISMATCH_PROBE_STAGE_TRACE=FILE`` every stage entered is appended to FILE;
+``MISMATCH_PROBE_STAGE_HOLD=STAGE`` waits (up to a minute) on entering STAGE, so that a test can
+interrupt a stage shorter than the time a signal takes to arrive.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 TRACE_ENV = "MISMATCH_PROBE_STAGE_TRACE"
+HOLD_ENV = "MISMATCH_PROBE_STAGE_HOLD"
+HOLD_SECONDS = 60.0
 
 _state: dict[str, Any] = {"stage": "startup", "out": None, "since": 0.0}
 
@@ -51,17 +55,16 @@ class Interrupted(BaseException):
 
 @contextmanager
 def stage(name: str) -> Iterator[None]:
-    """Name the pipeline's current stage (``engine_start`` reads as "engine start")."""
-    previous = _state["stage"]
+    """Name the pipeline's current stage (``engine_start`` reads as "engine start"); it stays
+    the current one until the next stage begins."""
     _state["stage"] = name.replace("_", " ")
     trace = os.environ.get(TRACE_ENV)
     if trace:
         with open(trace, "a", encoding="utf-8") as file:
             file.write(_state["stage"] + "\n")
-    try:
-        yield
-    finally:
-        _state["stage"] = previous
+    if os.environ.get(HOLD_ENV, "").replace("_", " ") == _state["stage"]:
+        time.sleep(HOLD_SECONDS)
+    yield
 
 
 def writing_to(out: Path, since: float) -> None:

@@ -203,6 +203,8 @@ def _start_failure(exc: BaseException, log: Path | None, offset: int) -> str:
     failed, the last exception its log got since ``offset`` (vLLM's own message only says
     "see root cause above"). The log file is named where there is one."""
     text = engine_process.describe_exception(exc)
+    if log is not None:  # the whole traceback beside the engine's own output
+        engine_process.append_traceback(log, exc)
     if engine_process.is_wrapper(text):
         text = engine_process.root_cause(log, offset) or text
     text = text[:400]

@@ -1,0 +1,222 @@
+"""The engine's life in a scan, from the outside: interrupts, failed starts, quiet output.
+
+Each test runs the ``probe`` console script on the tiny model in a subprocess (its own process
+group, so that a signal reaches the scan as Ctrl-C reaches it in a terminal) and watches the
+process table while it runs: no process the scan started may outlive it. The stage to
+interrupt is read from the scan's stage trace (``MISMATCH_PROBE_STAGE_TRACE``); stages shorter
+than a signal's round trip are held open with ``MISMATCH_PROBE_STAGE_HOLD``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mismatch_probe import store
+from mismatch_probe.engine_process import descendants, root_cause
+
+pytestmark = pytest.mark.engine
+
+KV = f"kv_cache_memory_bytes={64 << 20}"
+STOP_BOUND_S = 60.0  # a hang (the 600 s ready-timeout, an engine left running) is far above
+
+
+@dataclass
+class Outcome:
+    code: int
+    stderr: str
+    stages: list[str]
+    seen: dict[int, str]  # every process below the scan while it ran: pid -> start time
+    after_signal_s: float
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text('{"prompt": "hello"}\n{"prompt": "What is the capital of France?"}\n')
+    return path
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def survivors(seen: dict[int, str], grace_s: float = 10.0) -> list[int]:
+    """The processes of ``seen`` still alive (same pid, same start time) after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [pid for pid, start in seen.items() if _start_time(pid) == start]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def run_scan(
+    args: list[str],
+    tmp_path: Path,
+    at_stage: str | None = None,
+    signum: int = signal.SIGINT,
+    env: dict[str, str] | None = None,
+) -> Outcome:
+    """Run ``probe scan ARGS``; when ``at_stage`` is given, signal the process group as soon
+    as the scan enters that stage."""
+    trace = tmp_path / "stages.txt"
+    probe = Path(sys.executable).with_name("probe")
+    full_env = {**os.environ, "MISMATCH_PROBE_STAGE_TRACE": str(trace), **(env or {})}
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [str(probe), "scan", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=full_env,
+            start_new_session=True,
+        )
+        seen: dict[int, str] = {}
+        signalled_at = None
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in descendants(proc.pid):
+                start = _start_time(pid)
+                if start is not None:
+                    seen.setdefault(pid, start)
+            stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
+            if at_stage and signalled_at is None and stages and stages[-1] == at_stage:
+                os.killpg(proc.pid, signum)
+                signalled_at = time.monotonic()
+            time.sleep(0.05)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"probe scan did not finish; stages {stages}")
+    after = time.monotonic() - signalled_at if signalled_at is not None else 0.0
+    stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
+    return Outcome(proc.returncode, stderr_path.read_text(), stages, seen, after)
+
+
+def scan_args(model: Path, prompts: Path, out: Path, max_tokens: int = 8) -> list[str]:
+    return [
+        "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+        "--rollout-dtype", "float32", "--max-tokens", str(max_tokens), "--vllm-arg", KV,
+    ]  # fmt: skip
+
+
+INTERRUPTS = {
+    # stage: (signal, exit code, hold the stage open, max tokens)
+    "engine start": (signal.SIGINT, 130, False, 8),
+    "generation": (signal.SIGTERM, 143, False, 400),
+    "rescoring": (signal.SIGINT, 130, True, 8),
+    "metrics": (signal.SIGTERM, 143, True, 8),
+}
+
+
+@pytest.mark.parametrize("stage", list(INTERRUPTS))
+def test_interrupt_stops_with_one_line_and_no_engine_left(
+    stage: str, tiny_model: Path, prompts: Path, tmp_path: Path
+) -> None:
+    signum, code, hold, max_tokens = INTERRUPTS[stage]
+    out = tmp_path / "run"
+    env = {"MISMATCH_PROBE_STAGE_HOLD": stage} if hold else {}
+    args = [*scan_args(tiny_model, prompts, out, max_tokens), "--samples-per-prompt", "8"]
+    result = run_scan(args, tmp_path, at_stage=stage, signum=signum, env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.code == code, result.stderr[-3000:]
+    assert lines[-1].startswith(f"interrupted during {stage}; "), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.after_signal_s < STOP_BOUND_S
+    assert survivors(result.seen) == []
+    if stage == "metrics":  # the token store was written before the metrics: kept, complete
+        assert "complete files kept: " in lines[-1]
+        assert store.TOKENS_FILE in lines[-1] and store.SEQUENCES_FILE in lines[-1]
+        assert (out / store.TOKENS_FILE).is_file()
+        assert not (out / store.RUN_FILE).exists()
+    else:
+        assert lines[-1].endswith("; nothing written")
+        assert not (out / store.TOKENS_FILE).exists()
+    assert not [p for p in out.rglob(".*partial*")] if out.exists() else True
+
+
+def test_sigterm_stops_a_multiprocess_engine(
+    tiny_model: Path, prompts: Path, tmp_path: Path
+) -> None:
+    """The engine-core and worker processes of a multiprocess engine (the GPU default) end
+    with the scan; --verbose shows the engine's log on the terminal."""
+    args = [*scan_args(tiny_model, prompts, tmp_path / "run", 400), "--verbose"]
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    result = run_scan(args, tmp_path, "generation", signal.SIGTERM, env)
+    assert result.code == 143, result.stderr[-3000:]
+    # (--verbose: Python's resource tracker may add its own note after ours, on its exit)
+    assert "interrupted during generation; nothing written" in result.stderr.splitlines()
+    assert len(result.seen) >= 2  # the engine core and its worker ran in their own processes
+    assert survivors(result.seen) == []
+    assert "Triton is installed" in result.stderr  # --verbose: the engine's own output
+
+
+def truncated_model(tiny_model: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "truncated"
+    model.mkdir()
+    for path in tiny_model.iterdir():
+        data = path.read_bytes()
+        (model / path.name).write_bytes(data[:100] if path.suffix == ".safetensors" else data)
+    return model
+
+
+def test_failed_engine_start_names_the_root_cause(
+    tiny_model: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A truncated weights file, in-process engine: one line that names safetensors' error,
+    and the engine log (traceback included) named in it."""
+    from mismatch_probe import cli
+
+    model = truncated_model(tiny_model, tmp_path)
+    monkeypatch.setattr(sys, "argv", ["probe", "scan", *scan_args(model, prompts, tmp_path / "r")])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert len(lines) == 1 and "SafetensorError: " in lines[0], lines
+    log = Path(lines[0].rsplit("(engine log: ", 1)[1].rstrip(")"))
+    assert "Traceback" in log.read_text() and "SafetensorError" in log.read_text()
+
+
+def test_failed_multiprocess_engine_start_leaves_no_process(
+    tiny_model: Path, prompts: Path, tmp_path: Path
+) -> None:
+    """The same in a multiprocess engine: vLLM's own message says "see root cause above"; ours
+    names the worker's error, found in the engine log; no engine process is left."""
+    model = truncated_model(tiny_model, tmp_path)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    result = run_scan(scan_args(model, prompts, tmp_path / "run"), tmp_path, env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.code == 2, result.stderr[-3000:]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "SafetensorError: " in lines[0] and "root cause above" not in lines[0]
+    assert len(result.seen) >= 2  # the engine core and the worker were started
+    assert survivors(result.seen) == []
+
+
+def test_root_cause_skips_vllm_wrappers(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "old: ValueError: from an earlier engine\n"
+        "(Worker pid=1) ERROR 12-01 02:20:02 [multiproc_executor.py:953] "
+        "safetensors._safetensors_rust.SafetensorError: Error while deserializing header\n"
+        "Exception: WorkerProc initialization failed. See stack trace for root cause.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    offset = len("old: ValueError: from an earlier engine\n")
+    found = root_cause(log, offset)
+    assert found == "SafetensorError: Error while deserializing header"
+    assert root_cause(log, len(log.read_text())) is None
