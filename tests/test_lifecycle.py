@@ -220,3 +220,24 @@ def test_root_cause_skips_vllm_wrappers(tmp_path: Path) -> None:
     found = root_cause(log, offset)
     assert found == "SafetensorError: Error while deserializing header"
     assert root_cause(log, len(log.read_text())) is None
+
+
+def test_in_process_engine_gives_the_process_back(engines: Any) -> None:
+    """What an in-process engine changes (NUMA memory policy, ``torch.set_num_threads``, a
+    dozen environment variables) is back as it was once the engine is gone; the engine stops
+    without the full garbage collections of vLLM's teardown."""
+    import gc
+
+    import vllm  # noqa: F401  (its import sets variables of its own, once: not the engine's)
+
+    from mismatch_probe.engine_process import capture_state
+
+    engines.close()
+    before = capture_state()
+    engines.get("float32", "processed")
+    during = before.differences(capture_state())
+    collect = gc.collect
+    engines.close()
+    assert gc.collect is collect  # put back after the shutdown
+    assert "set_num_threads" in during and "env LD_PRELOAD" in during  # the engine changed them
+    assert before.differences(capture_state()) == []

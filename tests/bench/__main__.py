@@ -1,4 +1,4 @@
-"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics]``."""
+"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics] [lifecycle]``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def _scan() -> dict[str, Any]:
     return bench_scan()
 
 
+def _lifecycle() -> dict[str, Any]:
+    from tests.bench.lifecycle import bench_lifecycle
+
+    return bench_lifecycle()
+
+
 def _metrics() -> dict[str, Any]:
     from tests.bench.metrics import bench_metrics
 
@@ -38,6 +44,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "scan": _scan,
     "metrics": _metrics,
+    "lifecycle": _lifecycle,
 }
 
 
