@@ -16,6 +16,7 @@ Each measurement runs in a fresh spawned process, imports included, as a user's 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ GOALS = {"single": 0.25, "matrix": 0.15}
 MATRIX_PROMPTS, MATRIX_TOKENS = 16, 64
 MATRIX_DTYPES, MATRIX_KV = ("bfloat16", "float16", "float32"), ("auto", "fp8")
 REPEATS = 3
+LEAK_ROUNDS = 4
 
 
 def _scan(kind: str) -> dict[str, Any]:
@@ -123,8 +125,6 @@ def _rescoring_around_engine() -> dict[str, Any]:
 
 def _engine_modes() -> dict[str, Any]:
     """Runs in a spawned child: start/stop seconds of each engine mode, default model."""
-    import os
-
     from mismatch_probe import models, rollout
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.settings import RolloutSetting
@@ -144,7 +144,18 @@ def _engine_modes() -> dict[str, Any]:
         stopped = time.perf_counter()
         out[mode] = {"start_s": started - start, "stop_s": stopped - started}
     out["start_ratio"] = out[rollout.MULTIPROCESS]["start_s"] / out[rollout.IN_PROCESS]["start_s"]
+    rss = []  # memory after each of several in-process engines: no growth, no leak
+    for _ in range(LEAK_ROUNDS):
+        with rollout.engine(kwargs):
+            pass
+        rss.append(_rss_mb())
+    out["in_process_rss_mb_after_each_stop"] = rss
     return out
+
+
+def _rss_mb() -> float:
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _run(conn: Any, fn: Any, args: tuple[Any, ...]) -> None:
