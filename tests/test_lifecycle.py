@@ -4,7 +4,8 @@ Each test runs the ``probe`` console script on the tiny model in a subprocess (i
 group, so that a signal reaches the scan as Ctrl-C reaches it in a terminal) and watches the
 process table while it runs: no process the scan started may outlive it. The stage to
 interrupt is read from the scan's stage trace (``MISMATCH_PROBE_STAGE_TRACE``); stages shorter
-than a signal's round trip are held open with ``MISMATCH_PROBE_STAGE_HOLD``.
+than a signal's round trip are held open with ``MISMATCH_PROBE_STAGE_HOLD``. The scans run
+side by side (module fixture ``outcomes``); the tests then read their outcomes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Outcome:
     stages: list[str]
     seen: dict[int, str]  # every process below the scan while it ran: pid -> start time
     after_signal_s: float
+    tmp_path: Path
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +99,13 @@ def run_scan(
             if at_stage and signalled_at is None and stages and stages[-1] == at_stage:
                 os.killpg(proc.pid, signum)
                 signalled_at = time.monotonic()
-            time.sleep(0.05)
+            time.sleep(0.1)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail(f"probe scan did not finish; stages {stages}")
     after = time.monotonic() - signalled_at if signalled_at is not None else 0.0
     stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
-    return Outcome(proc.returncode, stderr_path.read_text(), stages, seen, after)
+    return Outcome(proc.returncode, stderr_path.read_text(), stages, seen, after, tmp_path)
 
 
 def scan_args(model: Path, prompts: Path, out: Path, max_tokens: int = 8) -> list[str]:
@@ -120,17 +122,66 @@ INTERRUPTS = {
     "rescoring": (signal.SIGINT, 130, True, 8),
     "metrics": (signal.SIGTERM, 143, True, 8),
 }
+MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+PARALLEL = 3  # scans run side by side (each mostly waits on one core): the suite's wall time
+
+
+def truncated_model(tiny_model: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "truncated"
+    model.mkdir(exist_ok=True)
+    for path in tiny_model.iterdir():
+        data = path.read_bytes()
+        (model / path.name).write_bytes(data[:100] if path.suffix == ".safetensors" else data)
+    return model
+
+
+def _scenarios(model: Path, prompts: Path, root: Path) -> dict[str, dict[str, Any]]:
+    """Every subprocess scan of this module: ``run_scan`` keyword arguments by name."""
+    out: dict[str, dict[str, Any]] = {}
+    for stage, (signum, _, hold, max_tokens) in INTERRUPTS.items():
+        tmp = root / stage.replace(" ", "_")
+        args = [*scan_args(model, prompts, tmp / "run", max_tokens), "--samples-per-prompt", "8"]
+        env = {"MISMATCH_PROBE_STAGE_HOLD": stage} if hold else {}
+        out[stage] = {"args": args, "tmp_path": tmp, "at_stage": stage, "signum": signum}
+        out[stage]["env"] = env
+    tmp = root / "mp_sigterm"
+    out["mp_sigterm"] = {
+        "args": [*scan_args(model, prompts, tmp / "run", 400), "--verbose"],
+        "tmp_path": tmp,
+        "at_stage": "generation",
+        "signum": signal.SIGTERM,
+        "env": MULTIPROCESS,
+    }
+    tmp = root / "mp_failed"
+    tmp.mkdir(parents=True)
+    bad = truncated_model(model, tmp)
+    out["mp_failed"] = {"args": scan_args(bad, prompts, tmp / "run"), "tmp_path": tmp}
+    out["mp_failed"]["env"] = MULTIPROCESS
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    tiny_model: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Outcome]:
+    """The module's subprocess scans, run ``PARALLEL`` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    scenarios = _scenarios(tiny_model, prompts, tmp_path_factory.mktemp("scans"))
+    for kwargs in scenarios.values():
+        kwargs["tmp_path"].mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {name: pool.submit(run_scan, **kw) for name, kw in scenarios.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.mark.parametrize("stage", list(INTERRUPTS))
 def test_interrupt_stops_with_one_line_and_no_engine_left(
-    stage: str, tiny_model: Path, prompts: Path, tmp_path: Path
+    stage: str, outcomes: dict[str, Outcome]
 ) -> None:
-    signum, code, hold, max_tokens = INTERRUPTS[stage]
-    out = tmp_path / "run"
-    env = {"MISMATCH_PROBE_STAGE_HOLD": stage} if hold else {}
-    args = [*scan_args(tiny_model, prompts, out, max_tokens), "--samples-per-prompt", "8"]
-    result = run_scan(args, tmp_path, at_stage=stage, signum=signum, env=env)
+    _, code, _, _ = INTERRUPTS[stage]
+    result = outcomes[stage]
+    out = result.tmp_path / "run"
     lines = result.stderr.strip().splitlines()
     assert result.code == code, result.stderr[-3000:]
     assert lines[-1].startswith(f"interrupted during {stage}; "), result.stderr[-3000:]
@@ -145,32 +196,19 @@ def test_interrupt_stops_with_one_line_and_no_engine_left(
     else:
         assert lines[-1].endswith("; nothing written")
         assert not (out / store.TOKENS_FILE).exists()
-    assert not [p for p in out.rglob(".*partial*")] if out.exists() else True
+    assert not list(out.rglob(".*partial*")) if out.exists() else True
 
 
-def test_sigterm_stops_a_multiprocess_engine(
-    tiny_model: Path, prompts: Path, tmp_path: Path
-) -> None:
+def test_sigterm_stops_a_multiprocess_engine(outcomes: dict[str, Outcome]) -> None:
     """The engine-core and worker processes of a multiprocess engine (the GPU default) end
     with the scan; --verbose shows the engine's log on the terminal."""
-    args = [*scan_args(tiny_model, prompts, tmp_path / "run", 400), "--verbose"]
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    result = run_scan(args, tmp_path, "generation", signal.SIGTERM, env)
+    result = outcomes["mp_sigterm"]
     assert result.code == 143, result.stderr[-3000:]
     # (--verbose: Python's resource tracker may add its own note after ours, on its exit)
     assert "interrupted during generation; nothing written" in result.stderr.splitlines()
     assert len(result.seen) >= 2  # the engine core and its worker ran in their own processes
     assert survivors(result.seen) == []
     assert "Triton is installed" in result.stderr  # --verbose: the engine's own output
-
-
-def truncated_model(tiny_model: Path, tmp_path: Path) -> Path:
-    model = tmp_path / "truncated"
-    model.mkdir()
-    for path in tiny_model.iterdir():
-        data = path.read_bytes()
-        (model / path.name).write_bytes(data[:100] if path.suffix == ".safetensors" else data)
-    return model
 
 
 def test_failed_engine_start_names_the_root_cause(
@@ -192,13 +230,11 @@ def test_failed_engine_start_names_the_root_cause(
 
 
 def test_failed_multiprocess_engine_start_leaves_no_process(
-    tiny_model: Path, prompts: Path, tmp_path: Path
+    outcomes: dict[str, Outcome],
 ) -> None:
     """The same in a multiprocess engine: vLLM's own message says "see root cause above"; ours
     names the worker's error, found in the engine log; no engine process is left."""
-    model = truncated_model(tiny_model, tmp_path)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    result = run_scan(scan_args(model, prompts, tmp_path / "run"), tmp_path, env=env)
+    result = outcomes["mp_failed"]
     lines = result.stderr.strip().splitlines()
     assert result.code == 2, result.stderr[-3000:]
     assert len(lines) == 1, result.stderr[-3000:]

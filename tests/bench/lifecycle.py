@@ -106,6 +106,8 @@ def _rescoring_around_engine() -> dict[str, Any]:
         return tokens / min(seconds)
 
     rescore.rescore(model, requests, spec, 1e-4)  # warm-up
+    import vllm.platforms  # noqa: F401  (its import sets variables of its own, once)
+
     before_state = engine_process.capture_state()
     before = best_tokens_per_s()
     kwargs = rollout.engine_kwargs(model_dir, RolloutSetting("bfloat16"), spec, 1024, {})
