@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from mismatch_probe import interrupt
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError, printable
 from mismatch_probe.metrics.config import MetricsConfig
@@ -67,6 +68,7 @@ from mismatch_probe.options import (
     TrainDeviceMapOpt,
     TrainDtypeOpt,
     TrustPickleOpt,
+    VerboseOpt,
     VllmArgOpt,
     metric_options,
 )
@@ -119,19 +121,32 @@ def _stdout_console() -> Console:
 
 
 def main() -> None:
-    """Console-script entry point: run the app, turning ``ProbeError`` into exit code 2."""
+    """Console-script entry point: run the app, turning ``ProbeError`` (and any ``OSError``)
+    into one line and exit code 2, and an interrupt (SIGINT, SIGTERM) into one line and exit
+    code 130 or 143. No process the command started outlives a failure or an interrupt."""
+    from mismatch_probe.engine_process import descendants
+
+    before = set(descendants())
     try:
-        code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
+        with interrupt.handled():
+            code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
+    except interrupt.Interrupted as exc:
+        _stop_engines(before)
+        print(exc.message(), file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
     except ProbeError as exc:
+        _stop_engines(before)
         print(f"error: {_one_line(str(exc))}", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as exc:  # a disk that fills or a file that vanishes mid-run: one line too
         from mismatch_probe.store import os_error_reason
 
+        _stop_engines(before)
         where = f": {exc.filename}" if exc.filename else ""
         print(f"error: {_one_line(os_error_reason(exc) + where)}", file=sys.stderr)
         raise SystemExit(2) from None
     except (typer.Abort, KeyboardInterrupt):
+        _stop_engines(before)
         print("aborted", file=sys.stderr)
         raise SystemExit(130) from None
     except typer.Exit as exc:
@@ -148,6 +163,14 @@ def main() -> None:
 def _one_line(text: str) -> str:
     """An error message as one line, its control characters escaped."""
     return printable(" ".join(text.split()))
+
+
+def _stop_engines(before: set[int]) -> None:
+    """No engine process outlives a command that failed or was interrupted: what the command
+    started and is still running is stopped (processes that were there before are left)."""
+    from mismatch_probe.engine_process import stop_children
+
+    stop_children(exclude=before)
 
 
 # --- reports ----------------------------------------------------------------------------------
@@ -275,6 +298,7 @@ def scan(
     shards: ShardsOpt = SCAN.shards,
     ray: RayOpt = SCAN.ray,
     resume: ResumeOpt = SCAN.resume,
+    verbose: VerboseOpt = SCAN.verbose,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
@@ -321,6 +345,7 @@ def scan(
         shards=shards,
         ray=ray,
         resume=resume,
+        verbose=verbose,
     )
     result = (run_sharded if cfg.sharded else run_scan)(cfg, Console(stderr=True))
     console = _stdout_console()

@@ -74,6 +74,7 @@ class ScanConfig:
     shards: int = 1  # > 1: a sharded scan (sharding.py), one part of the store per shard
     ray: str | None = None  # run the shards as Ray tasks: "local" or a cluster address
     resume: bool = False  # sharded: skip the finished shards of the same --out
+    verbose: bool = False  # the engines' logs on the terminal instead of a log file
 
     def __post_init__(self) -> None:
         s = self.sampling

@@ -398,6 +398,16 @@ ResumeOpt = Annotated[
     ),
 ]
 
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        help="Show the engine's logs (vLLM, Triton, torch) on the terminal; by default they go "
+        "to a log file under the cache, named when an engine fails.",
+    ),
+]
+
+
 # --- the metric options block, shared by `probe metrics` and `probe report` ------------------
 
 # (parameter name, option type, default from MetricsConfig's field): `metric_options` adds these

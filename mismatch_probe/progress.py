@@ -29,6 +29,10 @@ def make_progress(console: Any) -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=False,
+        # print() and libraries' writes are not routed through the bars: a library that keeps a
+        # reference to sys.stdout (vLLM's log handler) must not keep one to a proxy of the bars
+        redirect_stdout=False,
+        redirect_stderr=False,
     )
 
 

@@ -62,6 +62,7 @@ class RolloutRun:
     engine_args: dict[str, Any] = field(default_factory=dict)
     engine_env: dict[str, str] = field(default_factory=dict)
     rungs: EngineRungs | None = None  # --attribute: the engine's prefill rungs
+    engine_mode: str | None = None  # rollout.IN_PROCESS or MULTIPROCESS (None: not started)
 
     @property
     def tokens_per_s(self) -> float:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe import engine_process
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.prompts import EncodedPrompt
 from mismatch_probe.sampling import VLLM_LOGPROBS_MODE, SamplingSpec
@@ -35,6 +36,13 @@ COMMON_ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True, "use_tqdm_o
 # Environment of every engine (scoped to its life; a value the user set wins): vLLM's own log
 # quiet, and model paths are local, so the engine never asks a model hub.
 ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
+# How an engine runs: in this process (starts in seconds: no process spawn, no second import
+# of torch and vLLM; the process state it changes is restored by ``engine_process.preserved``)
+# or in its own processes (vLLM's default: an engine-core process and a worker process).
+IN_PROCESS, MULTIPROCESS = "in-process", "multiprocess"
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+IN_PROCESS_KWARGS = {"distributed_executor_backend": "uni"}  # the worker in this process too
+_WORLD_SIZE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
 
 @dataclass
@@ -84,6 +92,8 @@ def engine_kwargs(
     defaults = dict(COMMON_ENGINE_DEFAULTS)
     if current_platform.is_cpu():
         defaults.update(CPU_ENGINE_DEFAULTS)
+        if all(int(extra.get(name, 1)) == 1 for name in _WORLD_SIZE_ARGS):
+            defaults.update(IN_PROCESS_KWARGS)  # one worker: in this process
     return {
         **defaults,
         "model": str(model),
@@ -107,11 +117,23 @@ def check_supported(setting: RolloutSetting) -> None:
         )
 
 
-def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment variables an engine starts with: ours (quiet logs, never a model hub)
-    unless the user set them, then ``extra`` (e.g. what MoE route capture needs)."""
-    ours = {key: value for key, value in ENGINE_ENV.items() if key not in os.environ}
+def engine_env(
+    extra: dict[str, str] | None = None, kwargs: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """The environment variables an engine starts with: ours (quiet logs, never a model hub,
+    in-process where ``kwargs`` ask for vLLM's single-process executor) unless the user set
+    them, then ``extra`` (e.g. what MoE route capture needs)."""
+    ours = dict(ENGINE_ENV)
+    if kwargs is not None and kwargs.get("distributed_executor_backend") == "uni":
+        ours[MULTIPROCESSING_ENV] = "0"
+    ours = {key: value for key, value in ours.items() if key not in os.environ}
     return {**ours, **(extra or {})}
+
+
+def engine_mode(env: dict[str, str]) -> str:
+    """``in-process`` or ``multiprocess``: how an engine started under ``env`` runs."""
+    value = env.get(MULTIPROCESSING_ENV, os.environ.get(MULTIPROCESSING_ENV, "1"))
+    return IN_PROCESS if value.strip().lower() in ("0", "false") else MULTIPROCESS
 
 
 @contextmanager
@@ -147,35 +169,49 @@ def _clear_vllm_env_cache() -> None:
 @contextmanager
 def engine(kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[Any]:
     """A started ``vllm.LLM`` (created with ``kwargs`` under the environment ``env``, default
-    ``engine_env()``), shut down (engine process and memory) on exit."""
-    with scoped_env(engine_env() if env is None else env):
+    ``engine_env(kwargs=kwargs)``), shut down (engine processes and memory) on exit; the
+    process state the engine changed (threads, affinity, NUMA policy, environment) is restored.
+    """
+    with engine_process.preserved(), scoped_env(engine_env(kwargs=kwargs) if env is None else env):
         from vllm import LLM
 
+        log = engine_process.current_log()
+        offset = log.stat().st_size if log is not None and log.is_file() else 0
         try:
             llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many types for an engine that cannot start
-            raise EngineStartError(f"vLLM could not start the engine: {_one_line(exc)}") from None
+            reason = _start_failure(exc, log, offset)
+            raise EngineStartError(f"vLLM could not start the engine: {reason}") from None
         try:
             yield llm
         finally:
             shutdown(llm)
+            del llm
+            gc.collect()  # once, the engine gone: what its reference cycles held is freed
 
 
 def shutdown(llm: Any) -> None:
-    """Stop the engine core process and free its memory before the training model loads."""
+    """Stop the engine (its processes, if any). vLLM's teardown runs two full garbage
+    collections of its own (each about a second with torch, transformers and vLLM loaded)
+    while the engine object is still referenced: they are skipped; ``engine`` collects once,
+    after the engine is dropped."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-    del llm
-    gc.collect()
+        with engine_process.collect_later():
+            core.shutdown()
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and str(cause) and str(cause) not in text:
-        text += f" ({' '.join(str(cause).split())})"
-    return text[:400]
+def _start_failure(exc: BaseException, log: Path | None, offset: int) -> str:
+    """The real cause on one line: the exception itself in process; for an engine process that
+    failed, the last exception its log got since ``offset`` (vLLM's own message only says
+    "see root cause above"). The log file is named where there is one."""
+    text = engine_process.describe_exception(exc)
+    if log is not None:  # the whole traceback beside the engine's own output
+        engine_process.append_traceback(log, exc)
+    if engine_process.is_wrapper(text):
+        text = engine_process.root_cause(log, offset) or text
+    text = text[:400]
+    return f"{text} (engine log: {log})" if log is not None else text
 
 
 def request_seed(spec: SamplingSpec, prompt_id: int, sample_id: int) -> int:

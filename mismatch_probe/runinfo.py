@@ -76,6 +76,7 @@ def _run_record(run: RolloutRun) -> dict[str, Any]:
         "setting": run.setting.name,
         "engine_args": run.engine_args,
         "engine_env": run.engine_env,
+        "engine_mode": run.engine_mode,
         "skipped": run.skipped,
         "generation_seconds": run.generation_seconds,
         "tokens_per_s": run.tokens_per_s,

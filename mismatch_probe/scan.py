@@ -25,7 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from mismatch_probe import attribution, batch_invariant, models, rescore, rollout, store
+from mismatch_probe import (
+    attribution,
+    batch_invariant,
+    engine_process,
+    interrupt,
+    models,
+    rescore,
+    rollout,
+    store,
+)
 from mismatch_probe.checkpoint import check_weights
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
@@ -42,7 +51,8 @@ if TYPE_CHECKING:
 
 
 class Timer:
-    """Wall-clock seconds per phase: ``with timer("generation"): ...``."""
+    """Wall-clock seconds per phase: ``with timer("generation"): ...`` (also names the stage an
+    interrupt reports)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -51,7 +61,8 @@ class Timer:
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with interrupt.stage(phase):
+                yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
@@ -104,12 +115,14 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     from mismatch_probe.report import load_report, write_outputs
 
     timer = Timer()
+    started = time.time()
     with timer("prepare"):
         prep = prepare(cfg)
         out = check_out(cfg, cfg.out_dir(prep.model_dir.name))
     with make_progress(console) as progress:
-        runs, scored = sample_and_rescore(cfg, prep, timer, progress)
+        runs, scored = sample_and_rescore(cfg, prep, timer, progress, console)
     with timer("writing"):
+        interrupt.writing_to(out, started)
         run = run_metadata(cfg, prep, runs, timer.seconds)
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
@@ -127,7 +140,8 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         report, entries = load_report(out, computed=computed)
         paths.update(write_outputs(report, entries))
     run["timings"] = dict(timer.seconds)
-    store.write_json(paths["run"], run)
+    with interrupt.stage("writing"):
+        store.write_json(paths["run"], run)
     skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
     return ScanResult(out, paths, run, flat, skipped, report, entries)
 
@@ -146,15 +160,37 @@ def check_out(cfg: ScanConfig, out: Path) -> Path:
 
 
 def sample_and_rescore(
-    cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any
+    cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any, console: Any
 ) -> tuple[list[RolloutRun], dict[Setting, Rescored]]:
     """The engine and training stages: every rollout setting sampled (or scored on the first
-    setting's tokens with ``same_tokens``), then every setting rescored (with the attribution
-    rungs under ``--attribute``). Used by a whole scan and by each shard of a sharded one."""
-    runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
-    if cfg.same_tokens:
-        _share_tokens(cfg, prep, runs, timer)
+    setting's tokens with ``same_tokens``), the engines' output captured (``_engine_output``),
+    then every setting rescored (with the attribution rungs under ``--attribute``). Used by a
+    whole scan and by each shard of a sharded one."""
+    with _engine_output(cfg, console):
+        runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
+        if cfg.same_tokens:
+            _share_tokens(cfg, prep, runs, timer)
     return runs, _rescore_all(cfg, prep, runs, timer, progress)
+
+
+@contextmanager
+def _engine_output(cfg: ScanConfig, console: Any) -> Iterator[None]:
+    """The engines' output goes to a log file under the cache (named in an engine error), or
+    to the terminal with ``verbose``; ``console`` (the progress bars) stays on the terminal."""
+    if cfg.verbose:
+        yield
+        return
+    log = engine_process.new_log_path(models.cache_dir() / "logs")
+    with engine_process.captured(log) as terminal:
+        if not engine_process.writes_to_fd(console.file, 2):
+            yield  # an in-memory console (tests) keeps its buffer
+            return
+        saved = console.file
+        console.file = terminal
+        try:
+            yield
+        finally:
+            console.file = saved
 
 
 @contextmanager
@@ -174,7 +210,8 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
                 **stage.engine_env(prep.routing),
                 **batch_invariant.engine_env(cfg.batch_invariant),
             }
-            run.engine_env = rollout.engine_env(env)
+            run.engine_env = rollout.engine_env(env, run.engine_args)
+            run.engine_mode = rollout.engine_mode(run.engine_env)
             llm = stack.enter_context(rollout.engine(run.engine_args, run.engine_env))
     except rollout.EngineStartError as exc:
         stack.close()
@@ -201,9 +238,10 @@ def _generate(
             return run
         start = time.perf_counter()
         bar = vllm_progress(progress, f"gen {setting.name}", total)
-        run.rollouts = rollout.generate(
-            llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
-        )
+        with interrupt.stage("generation"):
+            run.rollouts = rollout.generate(
+                llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
+            )
         run.generation_seconds = time.perf_counter() - start
         timer.seconds["generation"] = timer.seconds.get("generation", 0.0) + run.generation_seconds
         if cfg.attribute:

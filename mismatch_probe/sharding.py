@@ -143,8 +143,9 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
     first = bounds[0] * cfg.samples_per_prompt
     total = len(prep.prompts) * cfg.samples_per_prompt
     prep.prompts = prep.prompts[bounds[0] : bounds[1]]
-    with make_progress(Console(stderr=True, quiet=True)) as progress:
-        runs, scored = scan.sample_and_rescore(cfg, prep, timer, progress)
+    console = Console(stderr=True, quiet=True)
+    with make_progress(console) as progress:
+        runs, scored = scan.sample_and_rescore(cfg, prep, timer, progress, console)
     for i, rescored in enumerate(scored.values()):  # the unsharded scan's seq_ids
         rescored.seq_offset = i * total + first
     info = {

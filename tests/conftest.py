@@ -1,8 +1,9 @@
 """Shared fixtures: a tiny random model built once, and real vLLM engines shared per session.
 
-Starting a vLLM engine takes tens of seconds on a CPU, so engines live in a session-wide pool
-keyed by (dtype, logprobs mode): each configuration starts once; the pool keeps one engine
-alive at a time (tests that share a configuration sit together in their module).
+An engine starts in a few seconds (in process, the CPU default) and still costs more than most
+tests, so engines live in a session-wide pool keyed by (dtype, logprobs mode): each
+configuration starts once; the pool keeps one engine alive at a time (tests that share a
+configuration sit together in their module).
 """
 
 from __future__ import annotations

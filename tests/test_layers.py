@@ -25,7 +25,7 @@ RANKS = {
     "routing": 3,
     "rollout": 2, "rescore": 2, "metrics": 2, "engine_args": 2, "batch_invariant": 2,
     "sampling": 1, "settings": 1, "prompts": 1, "models": 1, "tiny": 1, "progress": 1,
-    "devices": 1,
+    "devices": 1, "engine_process": 1, "interrupt": 1,  # device maps; an engine's process
     "checkpoint": 0,
     "store": 0,  # the contract between stages
     "dataset": -1,  # a sharded store's parts

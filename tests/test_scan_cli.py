@@ -18,6 +18,9 @@ import pytest
 
 from mismatch_probe import cli, store
 
+# What a default scan must not print (issue 11): vLLM's, Triton's and torch's import chatter.
+CHATTER = ("Triton is installed", "FutureWarning", "reduce_op", "NUMA binding", "INFO", "WARNING")
+
 
 def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
     """Run ``probe ARGS`` in-process; return (exit code, stderr)."""
@@ -297,6 +300,9 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     args += ["--vllm-arg", f"kv_cache_memory_bytes={64 << 20}"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # quiet by default: no import chatter of vLLM, Triton or torch, only the progress bars
+    assert not [line for line in proc.stderr.splitlines() if any(c in line for c in CHATTER)]
+    assert "gen rollout=fp32" in proc.stderr
     assert "k3_kl" in proc.stdout and str(out / "tokens.parquet") in proc.stdout
 
     tokens = pq.read_table(out / store.TOKENS_FILE)
@@ -316,6 +322,7 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     assert engine["engine_args"]["dtype"] == "float32"
     assert engine["engine_args"]["generation_config"] == "vllm"
     assert engine["engine_args"]["logprobs_mode"] == "processed_logprobs"
+    assert engine["engine_mode"] == "in-process"  # CPU, one worker: the fast start
     assert set(run["timings"]) >= {"engine_start", "generation", "rescoring", "writing"}
     assert store.read_run_metadata(out / store.TOKENS_FILE)["setting"] == run["setting"]
 

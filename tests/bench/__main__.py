@@ -1,5 +1,5 @@
 """Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics] [ingest]
-[attribution] [sharded_scan] [sharded_metrics]``."""
+[attribution] [sharded_scan] [sharded_metrics] [lifecycle]``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ def _scan() -> dict[str, Any]:
     from tests.bench.scan import bench_scan
 
     return bench_scan()
+
+
+def _lifecycle() -> dict[str, Any]:
+    from tests.bench.lifecycle import bench_lifecycle
+
+    return bench_lifecycle()
 
 
 def _metrics() -> dict[str, Any]:
@@ -67,6 +73,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "attribution": _attribution,
     "sharded_scan": _sharded_scan,
     "sharded_metrics": _sharded_metrics,
+    "lifecycle": _lifecycle,
 }
 
 

@@ -1,0 +1,323 @@
+"""What an engine does to the process it runs in, and how the process gets it back.
+
+An in-process vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) starts in seconds instead of
+tens of seconds, but it changes the process: its CPU platform writes a dozen environment
+variables (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ``NUMEXPR_MAX_THREADS``, ...), its CPU worker
+replaces ``torch.set_num_threads`` with a function that refuses to change the thread count and
+binds memory allocation to a NUMA node (``set_mempolicy(MPOL_BIND)``). ``preserved`` snapshots
+everything of this kind that later work in the process depends on (torch's thread counts and
+``set_num_threads``, the CPU affinity, the NUMA memory policy, the environment) and restores it
+exactly when the engine is gone.
+
+``captured`` sends what the engine and its libraries print (vLLM's log, Triton's and torch's
+warnings, C++ messages; also the output of engine processes started meanwhile, which inherit
+the descriptors) to a log file, while the tool's own output (progress bars, written to
+``sys.stderr``) still reaches the terminal. ``root_cause`` finds the real error of a failed
+start in that log. ``collect_later`` makes a shutdown fast: vLLM's teardown runs full
+garbage collections (about a second each with vLLM, torch and transformers imported) that free
+nothing its reference counts do not already free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import io
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+# get_mempolicy / set_mempolicy system call numbers (Linux): x86-64, aarch64.
+_MEMPOLICY_SYSCALLS = {"x86_64": (239, 238), "aarch64": (236, 237)}
+_MAX_NODES = 1024  # bits of the node mask
+KEEP_LOGS = 20  # engine logs kept in the cache, newest first
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """The parts of a process an engine changes that later work depends on."""
+
+    torch_threads: int
+    set_num_threads: Any  # torch.set_num_threads (vLLM's CPU worker replaces it)
+    affinity: frozenset[int] | None  # os.sched_getaffinity(0), None where unsupported
+    mempolicy: tuple[int, tuple[int, ...]] | None  # (mode, node mask words), None: unknown
+    environ: dict[str, str] = field(repr=False)
+
+    def differences(self, other: ProcessState) -> list[str]:
+        """What differs from ``other``, by name (``[]``: the same state)."""
+        names = ["torch_threads", "set_num_threads", "affinity", "mempolicy"]
+        changed = [n for n in names if getattr(self, n) != getattr(other, n)]
+        keys = set(self.environ) | set(other.environ)
+        changed += sorted(f"env {k}" for k in keys if self.environ.get(k) != other.environ.get(k))
+        return changed
+
+
+def capture_state() -> ProcessState:
+    import torch
+
+    return ProcessState(
+        torch_threads=torch.get_num_threads(),
+        set_num_threads=torch.set_num_threads,
+        affinity=frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        mempolicy=_get_mempolicy(),
+        environ=dict(os.environ),
+    )
+
+
+def restore_state(state: ProcessState) -> None:
+    """Put ``state`` back: environment, ``set_num_threads``, thread count, affinity, NUMA."""
+    import torch
+
+    for key in [k for k in os.environ if k not in state.environ]:
+        del os.environ[key]
+    for key, value in state.environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    torch.set_num_threads = state.set_num_threads
+    if torch.get_num_threads() != state.torch_threads:
+        torch.set_num_threads(state.torch_threads)
+    if state.affinity is not None and frozenset(os.sched_getaffinity(0)) != state.affinity:
+        os.sched_setaffinity(0, state.affinity)
+    if state.mempolicy is not None and _get_mempolicy() != state.mempolicy:
+        _set_mempolicy(*state.mempolicy)
+
+
+@contextmanager
+def preserved() -> Iterator[ProcessState]:
+    """Restore the process state of entry on exit (also when the body raises)."""
+    state = capture_state()
+    try:
+        yield state
+    finally:
+        restore_state(state)
+
+
+def _mempolicy_call(number: int, *args: Any) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(ctypes.c_long(number), *args))
+
+
+def _get_mempolicy() -> tuple[int, tuple[int, ...]] | None:
+    """The calling thread's NUMA memory policy (mode, node mask), or None where unknown."""
+    numbers = _MEMPOLICY_SYSCALLS.get(os.uname().machine)
+    if numbers is None or not sys.platform.startswith("linux"):
+        return None
+    mode = ctypes.c_int(0)
+    words = _MAX_NODES // (8 * ctypes.sizeof(ctypes.c_ulong))
+    mask = (ctypes.c_ulong * words)()
+    args = (ctypes.byref(mode), mask, ctypes.c_ulong(_MAX_NODES), None, ctypes.c_ulong(0))
+    if _mempolicy_call(numbers[0], *args) != 0:
+        return None
+    return mode.value, tuple(mask)
+
+
+def _set_mempolicy(mode: int, mask: tuple[int, ...]) -> None:
+    numbers = _MEMPOLICY_SYSCALLS[os.uname().machine]
+    words = (ctypes.c_ulong * len(mask))(*mask)
+    # MPOL_DEFAULT (0) takes no node mask
+    nodes = (None, ctypes.c_ulong(0)) if mode == 0 else (words, ctypes.c_ulong(_MAX_NODES))
+    if _mempolicy_call(numbers[1], ctypes.c_int(mode), *nodes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"set_mempolicy: {os.strerror(err)}")
+
+
+@contextmanager
+def collect_later() -> Iterator[None]:
+    """Run the body with ``gc.collect`` a no-op (an engine's teardown calls it several times;
+    reference counting frees the engine's tensors, cycles are left to the automatic collector)."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+
+
+# --- output capture ---------------------------------------------------------------------------
+
+
+def new_log_path(directory: Path) -> Path:
+    """A fresh engine log file in ``directory`` (older ones beyond ``KEEP_LOGS`` removed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    old = sorted(directory.glob("engine-*.log"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in old[KEEP_LOGS - 1 :]:
+        path.unlink(missing_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return directory / f"engine-{stamp}-{os.getpid()}.log"
+
+
+_current_log: list[Path] = []  # the log of the innermost ``captured`` block
+
+
+def current_log() -> Path | None:
+    """The file the engine's output goes to now (None: not captured, e.g. ``--verbose``)."""
+    return _current_log[-1] if _current_log else None
+
+
+@contextmanager
+def captured(log: Path) -> Iterator[TextIO]:
+    """Send file descriptors 1 and 2 to ``log``: everything printed meanwhile (by Python through
+    ``sys.stdout``/``sys.stderr`` (warnings, logging), by C and C++ code, by child processes).
+
+    Yields:
+        A text stream to the original stderr (the terminal), for the tool's own output.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        _flush(stream)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    terminal = open(os.dup(saved[2]), "w", encoding=encoding, errors="backslashreplace")  # noqa: SIM115
+    try:
+        for fd in (1, 2):
+            os.dup2(log_fd, fd)
+        _current_log.append(log)
+        yield terminal
+    finally:
+        _current_log.pop()
+        for stream in (sys.stdout, sys.stderr, terminal):
+            _flush(stream)
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        terminal.close()
+        os.close(log_fd)
+
+
+def writes_to_fd(stream: Any, fd: int) -> bool:
+    """True when ``stream`` writes to file descriptor ``fd`` (False for an in-memory buffer)."""
+    try:
+        return bool(stream.fileno() == fd)
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return False
+
+
+def _flush(stream: Any) -> None:
+    try:
+        if stream is not None:
+            stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+# ``module.TypeError: message``, alone on its line or after a log prefix (``... [file.py:12] ``)
+_EXCEPTION_LINE = re.compile(
+    r"(?:^|\] )(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$"
+)
+_WRAPPERS = (
+    "See root cause above",
+    "Engine core initialization failed",
+    "See stack trace for root cause",
+)
+
+
+def is_wrapper(text: str) -> bool:
+    """True for vLLM's message about an engine process that failed (the cause is in its log)."""
+    return any(w in text for w in _WRAPPERS)
+
+
+def root_cause(log: Path | None, offset: int = 0) -> str | None:
+    """The last exception line (``Type: message``, module path dropped) that ``log`` got after
+    byte ``offset`` and that is not vLLM's wrapper of a failed engine process, or None."""
+    if log is None or not log.is_file():
+        return None
+    with open(log, "rb") as file:
+        file.seek(offset)
+        text = file.read().decode("utf-8", errors="replace")
+    found = None
+    for line in text.splitlines():
+        match = _EXCEPTION_LINE.search(line.strip())
+        if match and not is_wrapper(match.group(2)):
+            found = f"{match.group(1)}: {match.group(2)}"
+    return found
+
+
+def append_traceback(log: Path, exc: BaseException) -> None:
+    """Append ``exc``'s traceback (with its causes) to ``log``."""
+    import traceback
+
+    with open(log, "a", encoding="utf-8") as file:
+        file.write("".join(traceback.format_exception(exc)))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` on one line, the causes' messages appended where they add to it."""
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({type(cause).__name__}: {' '.join(str(cause).split())})"
+    return text
+
+
+# --- child processes --------------------------------------------------------------------------
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every live process below ``pid`` (default: this one), from ``/proc`` (Linux)."""
+    root = os.getpid() if pid is None else pid
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] != "Z":  # a zombie is gone, only not yet reaped
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker exits by itself when this process does, after
+    removing any shared memory left behind: it is not stopped early."""
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def stop_children(
+    timeout: float = 3.0, exclude: set[int] | frozenset[int] = frozenset()
+) -> list[int]:
+    """Terminate what is left below this process (an engine that outlived its shutdown, e.g.
+    after an interrupt during its start), SIGKILL what is still there after ``timeout``.
+
+    Returns:
+        The process ids that were signalled.
+    """
+    import signal
+
+    if not Path("/proc").is_dir():
+        return []
+    pids = [p for p in descendants() if p not in exclude and not _is_resource_tracker(p)]
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and set(pids) & set(descendants()):
+        time.sleep(0.05)
+    for pid in set(pids) & set(descendants()):
+        _signal(pid, signal.SIGKILL)
+    return pids
+
+
+def _signal(pid: int, signum: int) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)

@@ -1,0 +1,279 @@
+"""The engine's life in a scan, from the outside: interrupts, failed starts, quiet output.
+
+Each test runs the ``probe`` console script on the tiny model in a subprocess (its own process
+group, so that a signal reaches the scan as Ctrl-C reaches it in a terminal) and watches the
+process table while it runs: no process the scan started may outlive it. The stage to
+interrupt is read from the scan's stage trace (``MISMATCH_PROBE_STAGE_TRACE``); stages shorter
+than a signal's round trip are held open with ``MISMATCH_PROBE_STAGE_HOLD``. The scans run
+side by side (module fixture ``outcomes``); the tests then read their outcomes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mismatch_probe import store
+from mismatch_probe.engine_process import descendants, root_cause
+
+pytestmark = pytest.mark.engine
+
+KV = f"kv_cache_memory_bytes={64 << 20}"
+STOP_BOUND_S = 60.0  # a hang (the 600 s ready-timeout, an engine left running) is far above
+
+
+@dataclass
+class Outcome:
+    code: int
+    stderr: str
+    stages: list[str]
+    seen: dict[int, str]  # every process below the scan while it ran: pid -> start time
+    after_signal_s: float
+    tmp_path: Path
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text('{"prompt": "hello"}\n{"prompt": "What is the capital of France?"}\n')
+    return path
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return None if fields[0] == "Z" else fields[19]
+
+
+def survivors(seen: dict[int, str], grace_s: float = 10.0) -> list[int]:
+    """The processes of ``seen`` still alive (same pid, same start time) after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [pid for pid, start in seen.items() if _start_time(pid) == start]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def run_scan(
+    args: list[str],
+    tmp_path: Path,
+    at_stage: str | None = None,
+    signum: int = signal.SIGINT,
+    env: dict[str, str] | None = None,
+) -> Outcome:
+    """Run ``probe scan ARGS``; when ``at_stage`` is given, signal the process group as soon
+    as the scan enters that stage."""
+    trace = tmp_path / "stages.txt"
+    probe = Path(sys.executable).with_name("probe")
+    full_env = {**os.environ, "MISMATCH_PROBE_STAGE_TRACE": str(trace), **(env or {})}
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [str(probe), "scan", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=full_env,
+            start_new_session=True,
+        )
+        seen: dict[int, str] = {}
+        signalled_at = None
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            for pid in descendants(proc.pid):
+                start = _start_time(pid)
+                if start is not None:
+                    seen.setdefault(pid, start)
+            stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
+            if at_stage and signalled_at is None and stages and stages[-1] == at_stage:
+                os.killpg(proc.pid, signum)
+                signalled_at = time.monotonic()
+            time.sleep(0.1)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"probe scan did not finish; stages {stages}")
+    after = time.monotonic() - signalled_at if signalled_at is not None else 0.0
+    stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
+    return Outcome(proc.returncode, stderr_path.read_text(), stages, seen, after, tmp_path)
+
+
+def scan_args(model: Path, prompts: Path, out: Path, max_tokens: int = 8) -> list[str]:
+    return [
+        "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+        "--rollout-dtype", "float32", "--max-tokens", str(max_tokens), "--vllm-arg", KV,
+    ]  # fmt: skip
+
+
+INTERRUPTS = {
+    # stage: (signal, exit code, hold the stage open, max tokens)
+    "engine start": (signal.SIGINT, 130, False, 8),
+    "generation": (signal.SIGTERM, 143, False, 400),
+    "rescoring": (signal.SIGINT, 130, True, 8),
+    "metrics": (signal.SIGTERM, 143, True, 8),
+}
+MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+PARALLEL = 3  # scans run side by side (each mostly waits on one core): the suite's wall time
+
+
+def truncated_model(tiny_model: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "truncated"
+    model.mkdir(exist_ok=True)
+    for path in tiny_model.iterdir():
+        data = path.read_bytes()
+        (model / path.name).write_bytes(data[:100] if path.suffix == ".safetensors" else data)
+    return model
+
+
+def _scenarios(model: Path, prompts: Path, root: Path) -> dict[str, dict[str, Any]]:
+    """Every subprocess scan of this module: ``run_scan`` keyword arguments by name."""
+    out: dict[str, dict[str, Any]] = {}
+    for stage, (signum, _, hold, max_tokens) in INTERRUPTS.items():
+        tmp = root / stage.replace(" ", "_")
+        args = [*scan_args(model, prompts, tmp / "run", max_tokens), "--samples-per-prompt", "8"]
+        env = {"MISMATCH_PROBE_STAGE_HOLD": stage} if hold else {}
+        out[stage] = {"args": args, "tmp_path": tmp, "at_stage": stage, "signum": signum}
+        out[stage]["env"] = env
+    tmp = root / "mp_sigterm"
+    out["mp_sigterm"] = {
+        "args": [*scan_args(model, prompts, tmp / "run", 400), "--verbose"],
+        "tmp_path": tmp,
+        "at_stage": "generation",
+        "signum": signal.SIGTERM,
+        "env": MULTIPROCESS,
+    }
+    tmp = root / "mp_failed"
+    tmp.mkdir(parents=True)
+    bad = truncated_model(model, tmp)
+    out["mp_failed"] = {"args": scan_args(bad, prompts, tmp / "run"), "tmp_path": tmp}
+    out["mp_failed"]["env"] = MULTIPROCESS
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    tiny_model: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Outcome]:
+    """The module's subprocess scans, run ``PARALLEL`` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    scenarios = _scenarios(tiny_model, prompts, tmp_path_factory.mktemp("scans"))
+    for kwargs in scenarios.values():
+        kwargs["tmp_path"].mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {name: pool.submit(run_scan, **kw) for name, kw in scenarios.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("stage", list(INTERRUPTS))
+def test_interrupt_stops_with_one_line_and_no_engine_left(
+    stage: str, outcomes: dict[str, Outcome]
+) -> None:
+    _, code, _, _ = INTERRUPTS[stage]
+    result = outcomes[stage]
+    out = result.tmp_path / "run"
+    lines = result.stderr.strip().splitlines()
+    assert result.code == code, result.stderr[-3000:]
+    assert lines[-1].startswith(f"interrupted during {stage}; "), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.after_signal_s < STOP_BOUND_S
+    assert survivors(result.seen) == []
+    if stage == "metrics":  # the token store was written before the metrics: kept, complete
+        assert "complete files kept: " in lines[-1]
+        assert store.TOKENS_FILE in lines[-1] and store.SEQUENCES_FILE in lines[-1]
+        assert (out / store.TOKENS_FILE).is_file()
+        assert not (out / store.RUN_FILE).exists()
+    else:
+        assert lines[-1].endswith("; nothing written")
+        assert not (out / store.TOKENS_FILE).exists()
+    assert not list(out.rglob(".*partial*")) if out.exists() else True
+
+
+def test_sigterm_stops_a_multiprocess_engine(outcomes: dict[str, Outcome]) -> None:
+    """The engine-core and worker processes of a multiprocess engine (the GPU default) end
+    with the scan; --verbose shows the engine's log on the terminal."""
+    result = outcomes["mp_sigterm"]
+    assert result.code == 143, result.stderr[-3000:]
+    # (--verbose: Python's resource tracker may add its own note after ours, on its exit)
+    assert "interrupted during generation; nothing written" in result.stderr.splitlines()
+    assert len(result.seen) >= 2  # the engine core and its worker ran in their own processes
+    assert survivors(result.seen) == []
+    assert "Triton is installed" in result.stderr  # --verbose: the engine's own output
+
+
+def test_failed_engine_start_names_the_root_cause(
+    tiny_model: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A truncated weights file, in-process engine: one line that names safetensors' error,
+    and the engine log (traceback included) named in it."""
+    from mismatch_probe import cli
+
+    model = truncated_model(tiny_model, tmp_path)
+    monkeypatch.setattr(sys, "argv", ["probe", "scan", *scan_args(model, prompts, tmp_path / "r")])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert len(lines) == 1 and "SafetensorError: " in lines[0], lines
+    log = Path(lines[0].rsplit("(engine log: ", 1)[1].rstrip(")"))
+    assert "Traceback" in log.read_text() and "SafetensorError" in log.read_text()
+
+
+def test_failed_multiprocess_engine_start_leaves_no_process(
+    outcomes: dict[str, Outcome],
+) -> None:
+    """The same in a multiprocess engine: vLLM's own message says "see root cause above"; ours
+    names the worker's error, found in the engine log; no engine process is left."""
+    result = outcomes["mp_failed"]
+    lines = result.stderr.strip().splitlines()
+    assert result.code == 2, result.stderr[-3000:]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "SafetensorError: " in lines[0] and "root cause above" not in lines[0]
+    assert len(result.seen) >= 2  # the engine core and the worker were started
+    assert survivors(result.seen) == []
+
+
+def test_root_cause_skips_vllm_wrappers(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "old: ValueError: from an earlier engine\n"
+        "(Worker pid=1) ERROR 12-01 02:20:02 [multiproc_executor.py:953] "
+        "safetensors._safetensors_rust.SafetensorError: Error while deserializing header\n"
+        "Exception: WorkerProc initialization failed. See stack trace for root cause.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    offset = len("old: ValueError: from an earlier engine\n")
+    found = root_cause(log, offset)
+    assert found == "SafetensorError: Error while deserializing header"
+    assert root_cause(log, len(log.read_text())) is None
+
+
+def test_in_process_engine_gives_the_process_back(engines: Any) -> None:
+    """What an in-process engine changes (NUMA memory policy, ``torch.set_num_threads``, a
+    dozen environment variables) is back as it was once the engine is gone; the engine stops
+    without the full garbage collections of vLLM's teardown."""
+    import gc
+
+    import vllm  # noqa: F401  (its import sets variables of its own, once: not the engine's)
+
+    from mismatch_probe.engine_process import capture_state
+
+    engines.close()
+    before = capture_state()
+    engines.get("float32", "processed")
+    during = before.differences(capture_state())
+    collect = gc.collect
+    engines.close()
+    assert gc.collect is collect  # put back after the shutdown
+    assert "set_num_threads" in during and "env LD_PRELOAD" in during  # the engine changed them
+    assert before.differences(capture_state()) == []
