@@ -575,7 +575,11 @@ def test_reserved_engine_args_cover_what_probe_sets() -> None:
 
     every_override = RolloutSetting("float16", "fp8", "fp8", True)
     kwargs = rollout.engine_kwargs(Path("m"), every_override, SamplingSpec(), 64, {})
-    defaults = {**rollout.COMMON_ENGINE_DEFAULTS, **rollout.CPU_ENGINE_DEFAULTS}
+    defaults = {  # platform defaults: a --vllm-arg may replace them
+        **rollout.COMMON_ENGINE_DEFAULTS,
+        **rollout.CPU_ENGINE_DEFAULTS,
+        **rollout.IN_PROCESS_KWARGS,
+    }
     assert set(kwargs) - set(defaults) <= set(RESERVED)
     native = _ENGINE[NATIVE][0]
     assert set(native) <= set(RESERVED)
