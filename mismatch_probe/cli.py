@@ -76,6 +76,7 @@ from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import ON_OFF
 
 SCAN = ScanConfig()  # the defaults of every scan option
+RAY_LOCAL = "local"  # what a bare --ray means
 ON_OFF_NAME = {value: name for name, value in ON_OFF.items()}
 
 app = typer.Typer(
@@ -129,7 +130,8 @@ def main() -> None:
     before = set(descendants())
     try:
         with interrupt.handled():
-            code = app(standalone_mode=False)  # typer.Exit(n) comes back as n in this mode
+            args = _bare_ray(sys.argv[1:])
+            code = app(args, standalone_mode=False)  # typer.Exit(n) comes back as n
     except interrupt.Interrupted as exc:
         _stop_engines(before)
         print(exc.message(), file=sys.stderr)
@@ -163,6 +165,17 @@ def main() -> None:
 def _one_line(text: str) -> str:
     """An error message as one line, its control characters escaped."""
     return printable(" ".join(text.split()))
+
+
+def _bare_ray(args: list[str]) -> list[str]:
+    """``--ray`` with no address means a local Ray instance (click options cannot take an
+    optional value, so the bare flag is completed here)."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == "--ray" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append(RAY_LOCAL)
+    return out
 
 
 def _stop_engines(before: set[int]) -> None:

@@ -384,8 +384,9 @@ RayOpt = Annotated[
     str | None,
     typer.Option(
         "--ray",
-        help="Run the shards as Ray tasks: local (start a local Ray instance), auto (the cluster "
-        "this machine belongs to) or a cluster address such as ray://head:10001.",
+        help="Run the shards as Ray tasks: local (start a local Ray instance; also a bare --ray), "
+        "auto (the cluster this machine belongs to) or a cluster address such as "
+        "ray://head:10001.",
     ),
 ]
 

@@ -114,6 +114,8 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     mixture-of-experts model). A sharded scan is ``sharding.run_sharded``."""
     from mismatch_probe.report import load_report, write_outputs
 
+    if cfg.sharded:
+        raise ProbeError("a sharded scan (shards > 1) runs with sharding.run_sharded")
     timer = Timer()
     started = time.time()
     with timer("prepare"):

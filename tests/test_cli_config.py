@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mismatch_probe import cli, scan
+from mismatch_probe import cli, scan, sharding
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.metrics import MetricsConfig
 from mismatch_probe.options import METRIC_OPTIONS
@@ -32,6 +32,7 @@ def scan_config(args: list[str], monkeypatch: pytest.MonkeyPatch) -> ScanConfig:
         raise Recorded
 
     monkeypatch.setattr(scan, "run_scan", record)
+    monkeypatch.setattr(sharding, "run_sharded", record)
     monkeypatch.setattr(sys, "argv", ["probe", "scan", *args])
     with pytest.raises(Recorded):
         cli.main()
@@ -102,3 +103,9 @@ def test_the_metric_options_are_one_block(monkeypatch: pytest.MonkeyPatch) -> No
     block = {name for name, _ in METRIC_OPTIONS}
     for name in ("metrics", "report"):
         assert block <= {p.name for p in commands[name].params}
+
+
+def test_a_bare_ray_flag_means_a_local_instance(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert scan_config(["--shards", "2", "--ray"], monkeypatch).ray == "local"
+    assert scan_config(["--ray", "--shards", "2"], monkeypatch).ray == "local"
+    assert scan_config(["--shards", "2", "--ray", "auto"], monkeypatch).ray == "auto"

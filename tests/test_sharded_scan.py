@@ -115,10 +115,10 @@ def scans(
         killer = threading.Thread(target=kill_second_shard, args=(root / "ray" / "tokens", found))
         killer.start()
         with pytest.raises(ProbeError) as failure:
-            run_scan(cfg, QUIET)
+            sharding.run_sharded(cfg, QUIET)
         killer.join()
         before = dataset.done_shards(root / "ray" / store.TOKENS_DIR)
-        resumed = run_scan(replace(cfg, resume=True), QUIET)
+        resumed = sharding.run_sharded(replace(cfg, resume=True), QUIET)
     finally:
         ray.shutdown()
     return Scans(plain, str(failure.value), found["shard"], before, resumed, alive)
@@ -214,7 +214,7 @@ def moe_scans(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         vllm_args={"kv_cache_memory_bytes": 64 << 20},
     )
     run_scan(replace(base, out=root / "plain"), QUIET)
-    run_scan(replace(base, out=root / "sharded", shards=2), QUIET)
+    sharding.run_sharded(replace(base, out=root / "sharded", shards=2), QUIET)
     return root / "plain", root / "sharded"
 
 

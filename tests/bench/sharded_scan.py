@@ -28,13 +28,15 @@ from rich.console import Console
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.scan import run_scan
+from mismatch_probe.sharding import run_sharded
 
 ENGINE_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def _timed(cfg: ScanConfig) -> tuple[float, Any]:
     start = time.perf_counter()
-    result = run_scan(cfg, Console(stderr=True, quiet=True))
+    run = run_sharded if cfg.sharded else run_scan
+    result = run(cfg, Console(stderr=True, quiet=True))
     return time.perf_counter() - start, result
 
 
