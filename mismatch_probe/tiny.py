@@ -123,8 +123,9 @@ ARCHS: dict[str, Callable[[int, int], Any]] = {
 }
 
 
-def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors)."""
+def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, context: int = 512) -> Path:
+    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors) whose
+    context (``max_position_embeddings``) is ``context`` tokens."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -132,6 +133,7 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
         raise ProbeError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHS)}")
     tokenizer = build_tokenizer()
     config = ARCHS[arch](len(tokenizer), tokenizer.eos_token_id)
+    config.max_position_embeddings = context
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
