@@ -1,4 +1,4 @@
-"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics]``."""
+"""Run the benchmarks: ``python -m tests.bench [name ...]`` (all of ``BENCHES`` by default)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def _rescoring() -> dict[str, Any]:
     return bench_rescoring()
 
 
+def _rescoring_lengths() -> dict[str, Any]:
+    from tests.bench.lengths import bench_lengths
+
+    return bench_lengths()
+
+
 def _scan() -> dict[str, Any]:
     from tests.bench.scan import bench_scan
 
@@ -36,6 +42,7 @@ def _metrics() -> dict[str, Any]:
 
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
+    "rescoring_lengths": _rescoring_lengths,
     "scan": _scan,
     "metrics": _metrics,
 }
