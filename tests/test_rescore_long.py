@@ -123,12 +123,13 @@ def test_no_tensor_holds_more_than_batch_tokens_positions_of_logits(run: Run) ->
 
 
 def test_chunked_equals_one_pass(run: Run) -> None:
+    """Equal flags; equal values to a few ulps where no support flip is flagged (a flagged row's
+    nucleus may differ by a last-bit change, and targets outside the support are flagged)."""
     lp, flip = run.unchunked
-    assert np.isfinite(lp).sum() > RESPONSE / 4  # many targets in the support: values compared
+    assert (~flip).sum() > RESPONSE / 5  # many values compared
     for scored in (run.chunked, run.whole):
-        assert np.array_equal(np.isfinite(scored.logprobs), np.isfinite(lp))
-        np.testing.assert_allclose(scored.logprobs, lp, rtol=0, atol=ulp_bound(lp))
         assert np.array_equal(scored.support_flip, flip)
+        np.testing.assert_allclose(scored.logprobs[~flip], lp[~flip], rtol=0, atol=ulp_bound(lp))
 
 
 def test_own_head_is_chunked_and_exact() -> None:
@@ -161,8 +162,9 @@ def test_own_head_is_chunked_and_exact() -> None:
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # the model's own head
         lp, flip = token_logprobs(logits, ids[0, len(prompt) :], SPEC, 1e-4)
     assert max(mode.sizes) <= 64 * 384
-    np.testing.assert_allclose(chunked.logprobs, lp.numpy(), rtol=0, atol=ulp_bound(lp.numpy()))
-    assert np.array_equal(chunked.support_flip, flip.numpy())
+    kept, want = ~flip.numpy(), lp.numpy()
+    assert np.array_equal(chunked.support_flip, ~kept) and kept.sum() > 100
+    np.testing.assert_allclose(chunked.logprobs[kept], want[kept], rtol=0, atol=ulp_bound(want))
     plain = model.get_output_embeddings()  # the scaling was applied: not the bare linear head
     with torch.inference_mode():
         hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, len(prompt) - 1 : -1]
