@@ -299,7 +299,12 @@ StaleModelOpt = Annotated[
 ]
 
 BatchTokensOpt = Annotated[
-    int, typer.Option("--batch-tokens", help="Padded tokens per rescoring forward pass.")
+    int,
+    typer.Option(
+        "--batch-tokens",
+        help="Padded tokens per rescoring forward pass; also bounds how many positions' "
+        "logits exist at once.",
+    ),
 ]
 
 FlipEpsOpt = Annotated[

@@ -7,7 +7,10 @@ prefix, processed like the engine's (``sampling.token_logprobs``), plus the supp
 Batching: sequences are sorted by length and packed into right-padded batches of at most
 ``batch_tokens`` padded tokens. Right padding keeps every real token at its true position
 (``position_ids = arange``) and, with a causal mask, real tokens never attend to padding. Only
-the logits of the columns that predict response tokens are computed (``logits_to_keep``).
+the logits of the columns that predict response tokens are computed, and at most
+``min(batch_tokens, ROW_CHUNK)`` positions' ``[rows, vocab]`` logits exist at a time: a sequence
+longer than ``batch_tokens`` gets a forward of its own (attention is never split), and its
+logits and their processing run over chunks of positions, so memory stays bounded for any length.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-ROW_CHUNK = 512  # response tokens processed together after the forward (bounds [N, V] temporaries)
+ROW_CHUNK = 512  # most positions whose [rows, V] logits (and temporaries) exist at once
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,8 @@ def rescore(
         requests: sequences to score; a request with no response tokens gets empty arrays.
         spec: sampling settings of the rollout (decides raw vs processed scoring).
         flip_eps: support-flip margin (see ``sampling.token_logprobs``).
-        batch_tokens: padded-token budget of one forward pass.
+        batch_tokens: padded-token budget of one forward pass (a longer sequence gets one of
+            its own), and a bound on the positions whose logits exist at once.
         on_batch: called with the number of response tokens after each batch (progress).
         batch_context: called with the request indices of each batch, in row order; the
             forward pass of that batch runs inside the returned context manager (used to
@@ -118,9 +123,10 @@ def rescore(
 
     results: list[Scored | None] = [None] * len(requests)
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in requests]
+    chunk = max(1, min(batch_tokens, ROW_CHUNK))
     for batch in plan_batches(lengths, batch_tokens):
         with batch_context(batch) if batch_context is not None else nullcontext():
-            scored = _score_batch(model, [requests[i] for i in batch], spec, flip_eps)
+            scored = _score_batch(model, [requests[i] for i in batch], spec, flip_eps, chunk)
         for i, s in zip(batch, scored, strict=True):
             results[i] = s
         if on_batch is not None:
@@ -130,25 +136,26 @@ def rescore(
 
 
 def _score_batch(
-    model: Any, batch: Sequence[ScoreRequest], spec: SamplingSpec, flip_eps: float
+    model: Any, batch: Sequence[ScoreRequest], spec: SamplingSpec, flip_eps: float, chunk: int
 ) -> list[Scored]:
+    """One forward over the batch, then logits and processing ``chunk`` positions at a time."""
     import torch
 
     from mismatch_probe.devices import input_device
 
-    ids, mask, rows, cols, first = _right_padded(batch, input_device(model))
+    ids, mask, rows, cols = _right_padded(batch, input_device(model))
     with torch.inference_mode():
-        logits = _predicting_logits(model, ids, mask, rows, cols, first)  # [N, V]
-        targets = ids[rows, cols + 1].to(logits.device)  # a split model's head may sit elsewhere
-        chunks = [
-            token_logprobs(
-                logits[i : i + ROW_CHUNK],
-                targets[i : i + ROW_CHUNK],
-                spec,
-                flip_eps,
-            )
-            for i in range(0, len(rows), ROW_CHUNK)
-        ]  # [chunk, V] at a time: the column before each response token
+        decoder = model.get_decoder()
+        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        head = _lm_head(model)  # [n, H] -> [n, V]
+        targets = ids[rows, cols + 1]
+        at = hidden.device  # the last layer's device when the model is split across devices
+        rows, cols = rows.to(at), cols.to(at)
+        chunks = []  # [chunk, V] logits at a time: the column before each response token
+        for i in range(0, len(rows), chunk):
+            logits = head(hidden[rows[i : i + chunk], cols[i : i + chunk]])
+            wanted = targets[i : i + chunk].to(logits.device)  # a split model's head may sit apart
+            chunks.append(token_logprobs(logits, wanted, spec, flip_eps))
         logprobs = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0)
         flips = torch.cat([c[1] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.bool)
     sizes = [len(r.response_ids) for r in batch]
@@ -162,42 +169,61 @@ def _score_batch(
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
 
-def _predicting_logits(
-    model: Any, ids: Any, mask: Any, rows: Any, cols: Any, first: int
-) -> torch.Tensor:
-    """``[N, V]`` logits of the columns that predict response tokens, and only those.
+def _lm_head(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The map from ``[n, H]`` final hidden states to ``[n, V]`` logits, as the model computes it.
 
-    For a plain linear LM head, the decoder's hidden states are gathered at those columns
-    before the head, so no logits are computed for prompt or padding positions. Other heads
-    (soft-capping, scaling) run the model's own forward with ``logits_to_keep``.
+    A plain linear head is called directly. Other heads (soft-capping, scaling) run the model's
+    own forward on the given hidden states (``_own_head``), so their extra ops stay the model's.
     """
-    import torch
-
     config = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
-    plain = hasattr(model, "get_decoder") and not any(
-        getattr(config, name, None) not in (None, 1.0) for name in _HEAD_EXTRAS
-    )
-    if plain:
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        at = hidden.device  # the last layer's device when the model is split
-        return model.get_output_embeddings()(hidden[rows.to(at), cols.to(at)])
-    keep = torch.arange(first, ids.shape[1] - 1, device=ids.device)
-    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
-    at = logits.device
-    return logits[rows.to(at), (cols - first).to(at)]
+    if any(getattr(config, name, None) not in (None, 1.0) for name in _HEAD_EXTRAS):
+        return partial(_own_head, model)
+    head: Callable[[torch.Tensor], torch.Tensor] = model.get_output_embeddings()
+    return head
+
+
+def _own_head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``[n, V]`` logits of ``[n, H]`` final hidden states through the model's own forward.
+
+    The decoder's forward is replaced, for this one call, by one returning ``hidden`` (the
+    decoder already ran once over the whole batch); the model's forward then applies its head
+    and extras to exactly those rows (``logits_to_keep=0``: every row).
+    """
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    decoder = model.get_decoder()
+    called: list[bool] = []
+
+    def forward(*args: Any, **kwargs: Any) -> BaseModelOutputWithPast:
+        called.append(True)
+        return BaseModelOutputWithPast(last_hidden_state=hidden[None])  # type: ignore[arg-type]
+
+    saved = decoder.__dict__.get("forward")  # an instance-level forward (e.g. an accelerate hook)
+    decoder.forward = forward
+    try:
+        stub = torch.zeros((1, hidden.shape[0]), dtype=torch.long, device=hidden.device)
+        logits = model(input_ids=stub, use_cache=False).logits[0]
+    finally:
+        if saved is None:
+            del decoder.forward
+        else:
+            decoder.forward = saved
+    if not called:
+        raise ProbeError(f"{type(model).__name__}: its forward does not call get_decoder()")
+    return logits  # type: ignore[no-any-return]
 
 
 def _right_padded(
     batch: Sequence[ScoreRequest], device: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Build ``[B, L]`` ids and mask, and the (row, column) of each predicting position.
 
     Returns:
-        ``(ids [B, L], mask [B, L], rows [N], cols [N], first)`` where ``cols`` are the columns
-        whose logits predict the response tokens (``prompt_len - 1 .. total - 2``) and
-        ``first`` is the smallest of them.
+        ``(ids [B, L], mask [B, L], rows [N], cols [N])`` where ``cols`` are the columns whose
+        logits predict the response tokens (``prompt_len - 1 .. total - 2``).
     """
     import torch
 
@@ -213,6 +239,5 @@ def _right_padded(
         start = len(r.prompt_ids) - 1
         rows += [b] * len(r.response_ids)
         cols += range(start, start + len(r.response_ids))
-    first = min(len(r.prompt_ids) - 1 for r in batch)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return ids.to(device), mask.to(device), as_tensor(rows), as_tensor(cols), first
+    return ids.to(device), mask.to(device), as_tensor(rows), as_tensor(cols)

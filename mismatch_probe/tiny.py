@@ -125,8 +125,9 @@ ARCHS: dict[str, Callable[[int, int], Any]] = {
 }
 
 
-def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors).
+def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, context: int = 512) -> Path:
+    """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors) whose
+    context (``max_position_embeddings``) is ``context`` tokens.
 
     ``out`` is checked writable first; the files are saved into a hidden directory inside it and
     each renamed into place when all are complete, so no partial file has a final name.
@@ -142,6 +143,7 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
     store.writable_dir(out, "OUT")
     tokenizer = build_tokenizer()
     config = ARCHS[arch](len(tokenizer), tokenizer.eos_token_id)
+    config.max_position_embeddings = context
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = out / f".partial-{arch}-{seed}"

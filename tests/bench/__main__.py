@@ -1,5 +1,4 @@
-"""Run the benchmarks: ``python -m tests.bench [rescoring] [scan] [metrics] [ingest]
-[attribution] [sharded_scan] [sharded_metrics] [lifecycle]``."""
+"""Run the benchmarks: ``python -m tests.bench [name ...]`` (all of ``BENCHES`` by default)."""
 
 from __future__ import annotations
 
@@ -21,6 +20,12 @@ def _rescoring() -> dict[str, Any]:
     from tests.bench.rescoring import bench_rescoring
 
     return bench_rescoring()
+
+
+def _rescoring_lengths() -> dict[str, Any]:
+    from tests.bench.lengths import bench_lengths
+
+    return bench_lengths()
 
 
 def _scan() -> dict[str, Any]:
@@ -67,6 +72,7 @@ def _sharded_metrics() -> dict[str, Any]:
 
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
+    "rescoring_lengths": _rescoring_lengths,
     "scan": _scan,
     "metrics": _metrics,
     "ingest": _ingest,
