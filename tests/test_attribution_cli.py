@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,19 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mismatch_probe import cli, store
+from mismatch_probe import store
 from mismatch_probe.metrics.attribution import compute_attribution
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
-    """Run ``probe ARGS`` in-process; return (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
+from tests.cli_runner import run_probe_err as run_main
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from mismatch_probe import cli, dataset, store
+from mismatch_probe import dataset, store
 from mismatch_probe.metrics import compute_metrics
+from tests.cli_runner import run_probe as cli_run
 
 SETTINGS = ("rollout=bf16 | train=fp32", "rollout=fp16 | train=fp32")
 SEQS = 240  # per setting
@@ -98,17 +98,6 @@ def test_sharded_store_gives_the_same_metrics(runs: tuple[Path, Path], setting: 
             {k: v for k, v in parts.items() if k not in ("config", "curves")},
         )
         assert parts["curves"]["worst_tokens"] == one["curves"]["worst_tokens"]
-
-
-def cli_run(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_cli_reads_a_sharded_store_like_a_file(

@@ -27,22 +27,17 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from mismatch_probe import cli, store
+from mismatch_probe import store
 from mismatch_probe.errors import ProbeError, printable
+from tests.cli_runner import run_probe
 from tests.test_report_fixtures import Seq, make_run, uniform_run
 
 
 def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
     """``probe ARGS`` in-process: (exit code, stderr); stdout stays in ``capsys``."""
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    sys.stdout.write(captured.out)  # left for the test to read
-    return code, captured.err
+    code, out, err = run_probe(args, monkeypatch, capsys)
+    sys.stdout.write(out)  # left for the test to read
+    return code, err
 
 
 def one_error_line(code: int, err: str, expected: str) -> str:

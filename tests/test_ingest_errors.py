@@ -4,30 +4,19 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mismatch_probe.cli import main
+from tests.cli_runner import run_probe_err as run_main
 from tests.ingest_fixtures import (
     synthetic_steps,
     write_nemo_rl,
     write_prime_rl,
     write_slime,
 )
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
 
 
 def _prime(tmp: Path) -> Path:

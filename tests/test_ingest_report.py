@@ -4,13 +4,11 @@ staleness notes, ``probe metrics --step``, ``probe check --step``, ``probe repor
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mismatch_probe.cli import main
 from mismatch_probe.ingest import IngestConfig, run_ingest
 from mismatch_probe.report.trend import (
     MAX_ROWS,
@@ -19,18 +17,8 @@ from mismatch_probe.report.trend import (
     shown_steps,
     staleness_note,
 )
+from tests.cli_runner import run_probe as run_main
 from tests.ingest_fixtures import synthetic_steps, write_prime_rl, write_slime
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mismatch_probe import cli
 from mismatch_probe.report.check import parse_bound
+from tests.cli_runner import run_probe
 from tests.test_report_fixtures import uniform_run
 
 R = 0.1  # every token: train - rollout = 0.1, so kl = -0.1 and k3_kl = e^0.1 - 1.1
@@ -17,14 +16,8 @@ R = 0.1  # every token: train - rollout = 0.1, so kl = -0.1 and k3_kl = e^0.1 - 
 
 def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
     """``probe ARGS`` in-process: (exit code, stdout + stderr)."""
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    code, out, err = run_probe(args, monkeypatch, capsys)
+    return code, out + err
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ import pytest
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
-from mismatch_probe import cli
 from mismatch_probe.report import load_run
 from mismatch_probe.report.comment import (
     CLIP,
@@ -27,6 +25,7 @@ from mismatch_probe.report.comment import (
 from mismatch_probe.report.compare import load_comparison
 from mismatch_probe.report.sections import visible
 from mismatch_probe.report.verdicts import HEALTH_CHECKS
+from tests.cli_runner import run_probe as run_cli
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 from tests.test_report_html import HOSTILE, hostile_seq
 
@@ -181,17 +180,6 @@ def test_comparison_comment_shows_the_change_with_arrows(pair: list[Path]) -> No
     verdicts = next(t for t in tables(tokens) if t[0][0] == "check")
     assert verdicts[0][-2:] == ["main (baseline)", "pr"]
     assert all(re.fullmatch(r"(✅|❌|➖) \S+( computed)?", c) for r in verdicts[1:] for c in r[-2:])
-
-
-def run_cli(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_prints_only_the_comment(

@@ -16,18 +16,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from mismatch_probe import cli, store
+from mismatch_probe import store
+from tests.cli_runner import run_probe_err as run_main
 
 # What a default scan must not print (issue 11): vLLM's, Triton's and torch's import chatter.
 CHATTER = ("Triton is installed", "FutureWarning", "reduce_op", "NUMA binding", "INFO", "WARNING")
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
-    """Run ``probe ARGS`` in-process; return (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    return int(exit_info.value.code or 0), capsys.readouterr().err
 
 
 @pytest.fixture

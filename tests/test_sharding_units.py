@@ -4,17 +4,17 @@ engine starts (one line on stderr, exit 2)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mismatch_probe import cli, sharding, store
+from mismatch_probe import sharding, store
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.raycluster import shard_resources
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.scan import prepare
+from tests.cli_runner import run_probe_err as run_main
 
 
 def test_plan_covers_every_prompt_once() -> None:
@@ -46,13 +46,6 @@ def test_shard_resources(
     vllm_args: dict[str, Any], gpus: float, cpus: list[float], expected: dict[str, float]
 ) -> None:
     assert shard_resources(vllm_args, gpus, cpus) == expected
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["probe", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    return int(exit_info.value.code or 0), capsys.readouterr().err
 
 
 @pytest.fixture

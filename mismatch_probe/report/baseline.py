@@ -19,7 +19,6 @@ compared point to point.
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -33,29 +32,20 @@ from mismatch_probe.report import bootstrap
 from mismatch_probe.report.check import (
     Bound,
     BoundResult,
+    did_you_mean,
     evaluate_bounds,
     parse_bounds,
     result_line,
 )
-from mismatch_probe.report.compare import _lookup, _short
+from mismatch_probe.report.compare import IDENTITY, _lookup, _short
 from mismatch_probe.report.context import RunContext, load_run
 
-# What two runs must share to be gated against each other: (what, path in run.json). A field
-# one of the runs does not record (a run of an older version) is not compared; the prompts file
-# is compared by name, and only when the runs do not both record the prompts' hash.
-COMPARABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("model config", ("model", "config_sha256")),
-    ("prompts", ("prompts", "sha256")),
-    ("prompts file", ("prompts", "path")),
-    ("prompt count", ("prompts", "count")),
-    ("chat template", ("prompts", "chat")),
-    ("samples per prompt", ("config", "samples_per_prompt")),
-    ("temperature", ("sampling", "temperature")),
-    ("top_p", ("sampling", "top_p")),
-    ("top_k", ("sampling", "top_k")),
-    ("max tokens", ("sampling", "max_tokens")),
-    ("seed", ("sampling", "seed")),
-    ("log-probs mode", ("sampling", "logprobs_mode")),
+# What two runs must share to be gated against each other: what ``probe compare`` checks, but
+# the model's directory name (two checkouts may name it differently: its config hash decides).
+# A field one of the runs does not record (a run of an older version) is not compared; the
+# prompts file is compared by name, and only when the runs do not both record the prompts' hash.
+COMPARABLE: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
+    (what, path) for what, path in IDENTITY if what != "model"
 )
 KINDS = {"x": "factor", "+": "absolute"}
 
@@ -199,8 +189,7 @@ def _reference_setting(run_dir: Path) -> str | None:
 def _check_metric(bound: Increase, head: dict[str, float], base: dict[str, float]) -> None:
     for metrics, which in ((head, "the run"), (base, "the baseline")):
         if bound.metric not in metrics:
-            close = difflib.get_close_matches(bound.metric, list(metrics), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            hint = did_you_mean(bound.metric, metrics)
             raise ProbeError(f"--max-increase {bound.metric}: {which} has no such metric{hint}")
 
 

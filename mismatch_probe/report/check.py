@@ -52,13 +52,19 @@ def parse_bounds(maxima: list[str], minima: list[str]) -> tuple[Bound, ...]:
     return tuple(bounds)
 
 
+def did_you_mean(metric: str, metrics: dict[str, float]) -> str:
+    """`` (did you mean k3_kl?)`` with the closest metric names, or ``""``."""
+    close = difflib.get_close_matches(metric, list(metrics), n=3)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
 def check_names(bounds: tuple[Bound, ...], metrics: dict[str, float]) -> None:
     """Fail on the first bound whose metric the run does not have, suggesting close names."""
     for b in bounds:
         if b.metric not in metrics:
-            close = difflib.get_close_matches(b.metric, list(metrics), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ProbeError(f"--{b.kind} {b.metric}: unknown metric{hint}")
+            raise ProbeError(
+                f"--{b.kind} {b.metric}: unknown metric{did_you_mean(b.metric, metrics)}"
+            )
 
 
 @dataclass(frozen=True)

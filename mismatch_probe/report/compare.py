@@ -36,6 +36,7 @@ from mismatch_probe.report.sections import KEY_METRICS, fmt, visible
 IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "name")),
     ("model config", ("model", "config_sha256")),
+    ("prompts", ("prompts", "sha256")),  # the token ids of the prompts, as encoded
     ("prompts file", ("prompts", "path")),
     ("prompt count", ("prompts", "count")),
     ("chat template", ("prompts", "chat")),
