@@ -321,3 +321,29 @@ def stop_children(
 def _signal(pid: int, signum: int) -> None:
     with suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signum)
+
+
+def import_vllm_quietly(verbose: bool = False) -> None:
+    """Import vLLM's platform layer once, with its import-time chatter silenced unless
+    ``verbose``: Triton's "installed, but doesn't include CPU backend" (a warning of vLLM's
+    logger, which has no handler yet at import, so Python's last-resort handler would print it)
+    and torch's ``reduce_op`` FutureWarning. The logger's level is restored afterwards."""
+    import logging
+    import warnings
+
+    if "vllm" in sys.modules:
+        return
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    if not verbose:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            if not verbose:
+                warnings.simplefilter("ignore")
+            import vllm.triton_utils  # noqa: F401  (where the Triton message comes from)
+            from vllm.platforms import current_platform
+
+            current_platform.is_cpu()  # resolve the platform now, inside the quiet import
+    finally:
+        logger.setLevel(level)

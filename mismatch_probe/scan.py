@@ -72,6 +72,7 @@ def prepare(cfg: ScanConfig) -> Prepared:
     and encode the prompts (no engine yet)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    engine_process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
     attribution.check(cfg)
     invariant = batch_invariant.check(cfg.batch_invariant)
     model_dir = models.resolve_model(cfg.model)

@@ -126,12 +126,23 @@ MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 PARALLEL = 3  # scans run side by side (each mostly waits on one core): the suite's wall time
 
 
-def truncated_model(tiny_model: Path, tmp_path: Path) -> Path:
-    model = tmp_path / "truncated"
+# A weights file that is valid safetensors (the checks before an engine starts pass) holding a
+# tensor the model does not have: the engine fails while it loads the weights.
+BOGUS = "bogus_down_proj"
+ENGINE_CAUSE = "There is no module or parameter named"
+
+
+def misnamed_model(tiny_model: Path, tmp_path: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "misnamed"
     model.mkdir(exist_ok=True)
     for path in tiny_model.iterdir():
-        data = path.read_bytes()
-        (model / path.name).write_bytes(data[:100] if path.suffix == ".safetensors" else data)
+        (model / path.name).write_bytes(path.read_bytes())
+    weights = load_file(model / "model.safetensors")
+    name = next(k for k in weights if ".mlp.down_proj." in k)
+    weights[name.replace("down_proj", BOGUS)] = weights.pop(name)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     return model
 
 
@@ -154,7 +165,7 @@ def _scenarios(model: Path, prompts: Path, root: Path) -> dict[str, dict[str, An
     }
     tmp = root / "mp_failed"
     tmp.mkdir(parents=True)
-    bad = truncated_model(model, tmp)
+    bad = misnamed_model(model, tmp)
     out["mp_failed"] = {"args": scan_args(bad, prompts, tmp / "run"), "tmp_path": tmp}
     out["mp_failed"]["env"] = MULTIPROCESS
     return out
@@ -214,19 +225,19 @@ def test_sigterm_stops_a_multiprocess_engine(outcomes: dict[str, Outcome]) -> No
 def test_failed_engine_start_names_the_root_cause(
     tiny_model: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    """A truncated weights file, in-process engine: one line that names safetensors' error,
-    and the engine log (traceback included) named in it."""
+    """Weights the model does not have, in-process engine: one line that names the loader's
+    error, and the engine log (traceback included) named in it."""
     from mismatch_probe import cli
 
-    model = truncated_model(tiny_model, tmp_path)
+    model = misnamed_model(tiny_model, tmp_path)
     monkeypatch.setattr(sys, "argv", ["probe", "scan", *scan_args(model, prompts, tmp_path / "r")])
     with pytest.raises(SystemExit) as exit_info:
         cli.main()
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2
-    assert len(lines) == 1 and "SafetensorError: " in lines[0], lines
+    assert len(lines) == 1 and ENGINE_CAUSE in lines[0] and BOGUS in lines[0], lines
     log = Path(lines[0].rsplit("(engine log: ", 1)[1].rstrip(")"))
-    assert "Traceback" in log.read_text() and "SafetensorError" in log.read_text()
+    assert "Traceback" in log.read_text() and BOGUS in log.read_text()
 
 
 def test_failed_multiprocess_engine_start_leaves_no_process(
@@ -238,7 +249,7 @@ def test_failed_multiprocess_engine_start_leaves_no_process(
     lines = result.stderr.strip().splitlines()
     assert result.code == 2, result.stderr[-3000:]
     assert len(lines) == 1, result.stderr[-3000:]
-    assert "SafetensorError: " in lines[0] and "root cause above" not in lines[0]
+    assert ENGINE_CAUSE in lines[0] and "root cause above" not in lines[0]
     assert len(result.seen) >= 2  # the engine core and the worker were started
     assert survivors(result.seen) == []
 
