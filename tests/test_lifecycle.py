@@ -163,11 +163,11 @@ def _scenarios(model: Path, prompts: Path, root: Path) -> dict[str, dict[str, An
         "signum": signal.SIGTERM,
         "env": MULTIPROCESS,
     }
-    tmp = root / "mp_failed"
-    tmp.mkdir(parents=True)
-    bad = misnamed_model(model, tmp)
-    out["mp_failed"] = {"args": scan_args(bad, prompts, tmp / "run"), "tmp_path": tmp}
-    out["mp_failed"]["env"] = MULTIPROCESS
+    for name, env in (("mp_failed", MULTIPROCESS), ("in_process_failed", {})):
+        tmp = root / name
+        tmp.mkdir(parents=True)
+        bad = misnamed_model(model, tmp)
+        out[name] = {"args": scan_args(bad, prompts, tmp / "run"), "tmp_path": tmp, "env": env}
     return out
 
 
@@ -222,19 +222,12 @@ def test_sigterm_stops_a_multiprocess_engine(outcomes: dict[str, Outcome]) -> No
     assert "Triton is installed" in result.stderr  # --verbose: the engine's own output
 
 
-def test_failed_engine_start_names_the_root_cause(
-    tiny_model: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
-) -> None:
+def test_failed_engine_start_names_the_root_cause(outcomes: dict[str, Outcome]) -> None:
     """Weights the model does not have, in-process engine: one line that names the loader's
     error, and the engine log (traceback included) named in it."""
-    from mismatch_probe import cli
-
-    model = misnamed_model(tiny_model, tmp_path)
-    monkeypatch.setattr(sys, "argv", ["probe", "scan", *scan_args(model, prompts, tmp_path / "r")])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2
+    result = outcomes["in_process_failed"]
+    lines = result.stderr.strip().splitlines()
+    assert result.code == 2, result.stderr[-3000:]
     assert len(lines) == 1 and ENGINE_CAUSE in lines[0] and BOGUS in lines[0], lines
     log = Path(lines[0].rsplit("(engine log: ", 1)[1].rstrip(")"))
     assert "Traceback" in log.read_text() and BOGUS in log.read_text()
