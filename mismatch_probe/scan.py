@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from functools import partial
@@ -133,8 +133,8 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         else:
             stage.remove_outputs(out)  # an earlier MoE run's routing files in the same --out
     with timer("metrics"):
-        results = _metrics(paths, scored)
-        flat = _settings_json(paths, results, runs)
+        results = setting_metrics(paths["tokens"], scored)
+        flat = settings_json(paths, results, {r.setting: r.tokens_per_s for r in runs})
         if prep.routing is not None:
             paths.update(stage.routing_outputs(out, list(scored)))
     paths["run"] = out / store.RUN_FILE
@@ -363,22 +363,22 @@ def write_tables(
     store.write_table(sequences_path, sequences, store.SEQUENCE_SCHEMA, run)
 
 
-def _metrics(
-    paths: dict[str, Path], scored: dict[Setting, Rescored]
-) -> dict[Setting, MetricsResult]:
+def setting_metrics(tokens: Path, settings: Iterable[Setting]) -> dict[Setting, MetricsResult]:
     """Every setting's metrics (default ``MetricsConfig``), computed once: the reports and
     ``settings.json`` are made from these."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
 
-    return {s: compute_metrics(paths["tokens"], MetricsConfig(), setting=s.name) for s in scored}
+    return {s: compute_metrics(tokens, MetricsConfig(), setting=s.name) for s in settings}
 
 
-def _settings_json(
-    paths: dict[str, Path], results: dict[Setting, MetricsResult], runs: list[RolloutRun]
+def settings_json(
+    paths: dict[str, Path],
+    results: dict[Setting, MetricsResult],
+    speed: dict[RolloutSetting, float],
 ) -> dict[str, dict[str, float]]:
-    """``settings.json``: every setting's flat metrics with its generation throughput, least
-    mismatch (``k3_kl``) first. Returns the same flat metrics in the scan's setting order."""
-    speed = {r.setting: r.tokens_per_s for r in runs}
+    """``settings.json``: every setting's flat metrics with its rollout setting's generation
+    throughput (``speed``, tokens/s), least mismatch (``k3_kl``) first. Returns the same flat
+    metrics in the scan's setting order."""
     flat = {
         s.name: {**m.flat(), "rollout_tokens_per_s": speed[s.rollout]} for s, m in results.items()
     }

@@ -30,11 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import dataset, store
+from mismatch_probe import dataset, scan, store
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.records import ScanResult
-from mismatch_probe.settings import RolloutSetting
+from mismatch_probe.records import RolloutRun, ScanResult
 
 PLAN_FILE = "shards.json"
 RUNNING = "_RUNNING"  # in tokens/shard=K while the shard runs: {"pid", "host", "started"}
@@ -129,7 +128,6 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
     """
     from rich.console import Console
 
-    from mismatch_probe import scan
     from mismatch_probe.progress import make_progress
     from mismatch_probe.routing import stage
     from mismatch_probe.runinfo import run_metadata
@@ -197,7 +195,7 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
     """``probe scan --shards N [--ray ADDRESS] [--resume]``."""
     from contextlib import nullcontext
 
-    from mismatch_probe import raycluster, scan
+    from mismatch_probe import raycluster
 
     timer = scan.Timer()
     with timer("prepare"):
@@ -242,8 +240,10 @@ def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
     skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
     present = [s for s in cfg.settings() if s.rollout.name not in skipped]
     paths = {"tokens": out / store.TOKENS_DIR, "sequences": out / store.SEQUENCES_DIR}
+    speed = {r.setting: _rate(tokens, r) for r in runs}  # runs carry no rollouts here
     with timer("metrics"):
-        flat = _metrics(paths, present, runs, tokens)
+        results = scan.setting_metrics(paths["tokens"], present)  # streamed over all parts
+        flat = scan.settings_json(paths, results, speed)
         if prep.routing is not None:
             paths["routing"] = out / store.ROUTING_DIR
             paths.update(stage.routing_outputs(out, present))
@@ -251,15 +251,15 @@ def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
     if prep.routing is not None:
         shape, capture_path = prep.routing.shape, prep.routing.setup.capture_path
         run["routing"] = routing_store.routing_metadata(shape, capture_path)
-    for record in run["rollouts"]:  # runs carry no rollouts here: throughput from the shards
-        seconds = record["generation_seconds"]
-        record["tokens_per_s"] = tokens[record["setting"]] / seconds if seconds > 0 else 0.0
+    for record, r in zip(run["rollouts"], runs, strict=True):  # throughput from the shards
+        record["tokens_per_s"] = speed[r.setting]
     run["train_device_map"] = {f"shard={k}": i.get("train_device_map") for k, i in infos.items()}
     run["shards"] = {"count": cfg.shards, "ray": cfg.ray, "records": list(infos.values())}
     paths["run"] = out / store.RUN_FILE
     store.write_json(paths["run"], run)
     with timer("reports"):
-        report, entries = load_report(out)
+        computed = {s.name: m.to_json_dict() for s, m in results.items()}
+        report, entries = load_report(out, computed=computed)
         paths.update(write_outputs(report, entries))
     run["timings"] = dict(timer.seconds)
     store.write_json(paths["run"], run)
@@ -269,7 +269,6 @@ def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
 def _merged_runs(cfg: ScanConfig, infos: dict[int, Any]) -> tuple[list[Any], dict[str, int]]:
     """One ``RolloutRun`` per rollout setting (generation seconds summed over shards, skipped
     when a shard skipped it) and each setting's sampled tokens."""
-    from mismatch_probe.records import RolloutRun
 
     runs = {r.name: RolloutRun(r) for r in cfg.rollout_settings()}
     tokens = dict.fromkeys(runs, 0)
@@ -282,28 +281,7 @@ def _merged_runs(cfg: ScanConfig, infos: dict[int, Any]) -> tuple[list[Any], dic
     return list(runs.values()), tokens
 
 
-def _metrics(
-    paths: dict[str, Path], present: list[Any], runs: list[Any], tokens: dict[str, int]
-) -> dict[str, dict[str, float]]:
-    """``metrics.json`` (reference setting) and ``settings.json`` (every setting, least
-    mismatch first), streamed over all parts; as ``scan._metrics`` writes them."""
-    from mismatch_probe.metrics import MetricsConfig, compute_metrics
-
-    seconds = {r.setting: r.generation_seconds for r in runs}
-    results = {
-        s: compute_metrics(paths["tokens"], MetricsConfig(), setting=s.name) for s in present
-    }
-    flat = {
-        s.name: {**m.flat(), "rollout_tokens_per_s": _rate(tokens, seconds, s.rollout)}
-        for s, m in results.items()
-    }
-    paths["metrics"] = paths["tokens"].with_name("metrics.json")
-    store.write_json(paths["metrics"], next(iter(results.values())).to_json_dict())
-    ranked = dict(sorted(flat.items(), key=lambda item: item[1]["k3_kl"]))
-    paths["settings"] = paths["tokens"].with_name("settings.json")
-    store.write_json(paths["settings"], {"order": list(ranked), "settings": ranked})
-    return flat
-
-
-def _rate(tokens: dict[str, int], seconds: dict[RolloutSetting, float], r: RolloutSetting) -> float:
-    return tokens[r.name] / seconds[r] if seconds[r] > 0 else 0.0
+def _rate(tokens: dict[str, int], run: RolloutRun) -> float:
+    """A rollout setting's generation tokens/s over every shard."""
+    seconds = run.generation_seconds
+    return tokens[run.setting.name] / seconds if seconds > 0 else 0.0
