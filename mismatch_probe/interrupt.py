@@ -28,7 +28,7 @@ TRACE_ENV = "MISMATCH_PROBE_STAGE_TRACE"
 HOLD_ENV = "MISMATCH_PROBE_STAGE_HOLD"
 HOLD_SECONDS = 60.0
 
-_state: dict[str, Any] = {"stage": "startup", "out": None, "since": 0.0}
+_state: dict[str, Any] = {"stage": "startup", "out": None, "since": 0.0, "fired": None}
 
 
 class Interrupted(BaseException):
@@ -67,6 +67,19 @@ def stage(name: str) -> Iterator[None]:
     yield
 
 
+def reraise_swallowed() -> None:
+    """Raise the ``Interrupted`` of a signal that already fired, if any.
+
+    A library that catches every exception can turn ours into its own error (pydantic-core
+    reports a ``SchemaError`` when the signal lands while it builds a validator inside vLLM's
+    engine start). Code that turns a library's failure into a message calls this first, so the
+    run still ends as interrupted, with its exit code.
+    """
+    fired: Interrupted | None = _state["fired"]
+    if fired is not None:
+        raise fired
+
+
 def writing_to(out: Path, since: float) -> None:
     """The scan writes to ``out``; files there modified after ``since`` (epoch s) are its own."""
     _state["out"], _state["since"] = out, since
@@ -91,20 +104,25 @@ def handled() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _state.update(stage="startup", out=None, since=time.time())
-    fired: list[int] = []
+    _state.update(stage="startup", out=None, since=time.time(), fired=None)
 
     def handler(signum: int, _frame: Any) -> None:
-        if fired:
+        if _state["fired"] is not None:
             return
-        fired.append(signum)
-        raise Interrupted(signum, _state["stage"])
+        _state["fired"] = fired = Interrupted(signum, _state["stage"])
+        raise fired
 
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         signal.signal(s, handler)
     try:
         yield
+    except Exception as exc:  # the signal's exception was swallowed and replaced on the way up
+        fired: Interrupted | None = _state["fired"]
+        if fired is not None:
+            raise fired from exc
+        raise
     finally:
+        _state["fired"] = None
         for s, h in previous.items():
             signal.signal(s, h)

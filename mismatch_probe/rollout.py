@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import engine_process
+from mismatch_probe import engine_process, interrupt
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.prompts import EncodedPrompt
 from mismatch_probe.sampling import VLLM_LOGPROBS_MODE, SamplingSpec
@@ -180,6 +180,7 @@ def engine(kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Iterato
         try:
             llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many types for an engine that cannot start
+            interrupt.reraise_swallowed()
             reason = _start_failure(exc, log, offset)
             raise EngineStartError(f"vLLM could not start the engine: {reason}") from None
         try:

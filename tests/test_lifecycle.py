@@ -247,6 +247,22 @@ def test_failed_multiprocess_engine_start_leaves_no_process(
     assert survivors(result.seen) == []
 
 
+def test_a_signal_a_library_swallowed_still_ends_as_interrupted() -> None:
+    """pydantic-core, building a validator inside vLLM's engine start, turned our exception into
+    a ``SchemaError`` (seen once in the suite): the run must still end as interrupted."""
+    from mismatch_probe import interrupt
+
+    with pytest.raises(interrupt.Interrupted) as info:
+        with interrupt.handled(), interrupt.stage("engine start"):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises here
+            except BaseException:
+                raise ValueError("SchemaError: Error building validator") from None
+    assert (info.value.stage, info.value.exit_code) == ("engine start", 130)
+    interrupt.reraise_swallowed()  # handled() forgot the signal on exit: nothing to raise
+
+
 def test_root_cause_skips_vllm_wrappers(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
     log.write_text(
