@@ -100,7 +100,8 @@ class IngestConfig:
         out: the run directory to create; must not exist or be empty.
         model: checkpoint for rescoring (Miles) and token text; None for neither.
         steps: which steps to read.
-        trust_pickle: allow ``torch.load(weights_only=False)`` (runs code from the file).
+        trust_pickle: allow pickle-based dumps (verl-dp, skyrl) and slime's
+            ``torch.load(weights_only=False)`` (unpickling runs code from the file).
         temperature: the rollout's sampling temperature (for rescoring only).
         train_dtype: the rescoring dtype.
         batch_tokens: padded tokens per rescoring forward pass.
