@@ -184,7 +184,7 @@ def write_miles(root: Path, data: dict[int, list[Seq]]) -> Path:
 
 
 @contextmanager
-def _registered(module: str, **names: object):
+def registered(module: str, **names: object):
     """``module`` (and its parents) in ``sys.modules`` holding ``names``, for ``pickle.dump`` to
     name classes by the framework's module path; removed afterwards."""
     parts = module.split(".")
@@ -194,8 +194,9 @@ def _registered(module: str, **names: object):
         sys.modules[m] = types.ModuleType(m)
     for name, obj in names.items():
         setattr(sys.modules[module], name, obj)
-        if isinstance(obj, type) or callable(obj):
-            obj.__module__ = module  # type: ignore[union-attr]
+        if callable(obj):  # pickle names it by module and qualified name
+            obj.__module__ = module  # type: ignore[attr-defined]
+            obj.__qualname__ = name  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -264,7 +265,7 @@ class DataProto:
     def save_to_disk(self, filepath) -> None:
         import pickle
 
-        with _registered("verl.protocol", DataProto=DataProto), open(filepath, "wb") as f:
+        with registered("verl.protocol", DataProto=DataProto), open(filepath, "wb") as f:
             pickle.dump(self, f)
 
 
@@ -308,7 +309,7 @@ def _skyrl_serialize(value):
         return {"format": "torch", "data": buffer.getvalue()}
 
 
-def _rebuild_tensor_batch(cls, state):
+def rebuild_tensor_batch(cls, state):
     obj = dict.__new__(cls)
     obj.__setstate__(state)
     return obj
@@ -326,7 +327,7 @@ class TrainingInputBatch(dict):
     def __reduce_ex__(self, protocol):
         if self.legacy:
             return super().__reduce_ex__(protocol)
-        return (_rebuild_tensor_batch, (type(self), self.__getstate__()))
+        return (rebuild_tensor_batch, (type(self), self.__getstate__()))
 
     def __getstate__(self):
         batch_dict = {k: None if v is None else _skyrl_serialize(v) for k, v in self.items()}
@@ -389,8 +390,8 @@ def write_skyrl(root: Path, data: dict[int, list[Seq]], legacy: bool = False, **
 
     (root / "dumped_data").mkdir(parents=True, exist_ok=True)
     module = "skyrl_train.training_batch" if legacy else SKYRL_MODULE
-    with _registered(module, TrainingInputBatch=TrainingInputBatch,
-                     _rebuild_tensor_batch=_rebuild_tensor_batch):  # fmt: skip
+    with registered(module, TrainingInputBatch=TrainingInputBatch,
+                     _rebuild_tensor_batch=rebuild_tensor_batch):  # fmt: skip
         for step, seqs in data.items():
             batch = skyrl_batch(seqs, **kw)
             batch.legacy = legacy
