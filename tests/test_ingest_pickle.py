@@ -182,13 +182,34 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+class _InnerExploit:
+    """A ``DataProto`` whose ``torch.save`` buffer (verl's TensorDict bytes) is the exploit."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        import io
+
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save(_Exploit(self.marker), buffer)
+        return buffer.getvalue(), {}, {}
+
+
 def _crafted(fmt: str, root: Path, marker: Path) -> Path:
-    """A valid one-step dump holding an ``_Exploit`` (verl: a ``non_tensor_batch`` column;
-    SkyRL: a metadata entry)."""
+    """A one-step dump holding an ``_Exploit`` (verl: a ``non_tensor_batch`` column, or the
+    TensorDict buffer; SkyRL: a metadata entry)."""
     from tensordict import TensorDict
 
     seqs = synthetic_steps([1], seqs=2)[1]
     root.mkdir(parents=True)
+    if fmt == "verl-dp-buffer":
+        file = root / "step_1.dp"
+        with registered("verl.protocol", DataProto=_InnerExploit), file.open("wb") as fh:
+            pickle.dump(_InnerExploit(marker), fh)
+        return file
     if fmt == "verl-dp":
         tensors, non_tensor = verl_batch(seqs)
         non_tensor["reward_extra_info"] = np.array([_Exploit(marker)] * 2, dtype=object)
@@ -205,24 +226,33 @@ def _crafted(fmt: str, root: Path, marker: Path) -> Path:
     return file
 
 
-@pytest.mark.parametrize("fmt", ["verl-dp", "skyrl"])
+@pytest.mark.parametrize("case", ["verl-dp", "verl-dp-buffer", "skyrl"])
 def test_a_global_outside_the_whitelist_is_refused_and_never_runs(
-    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     """Even with --trust-pickle: the crafted ``os.system`` call is named, not run."""
     marker = tmp_path / "pwned"
-    file = _crafted(fmt, tmp_path / "src", marker)
-    args = [fmt, str(tmp_path / "src"), "--trust-pickle"]
+    file = _crafted(case, tmp_path / "src", marker)
+    args = [case.removesuffix("-buffer"), str(tmp_path / "src"), "--trust-pickle"]
     err = _assert_refused(args, "system, which probe does not load", tmp_path, monkeypatch, capsys)
     assert f"needs {os.system.__module__}.system" in err
     assert not marker.exists()
     # plain pickle runs it: the file is a live exploit, so the test above can fail
-    with (
-        registered("verl.protocol", DataProto=DataProto),
-        registered(SKYRL_MODULE, TrainingInputBatch=TrainingInputBatch,
-                   _rebuild_tensor_batch=rebuild_tensor_batch),
-        contextlib.suppress(Exception),
-        file.open("rb") as fh,
-    ):  # fmt: skip
-        pickle.load(fh)
+    if case == "verl-dp-buffer":  # verl's __setstate__ torch.loads the buffer, weights_only=False
+        import io
+
+        import torch
+
+        buffer = _InnerExploit(marker).__getstate__()[0]
+        with contextlib.suppress(Exception):
+            torch.load(io.BytesIO(buffer), weights_only=False)
+    else:
+        with (
+            registered("verl.protocol", DataProto=DataProto),
+            registered(SKYRL_MODULE, TrainingInputBatch=TrainingInputBatch,
+                       _rebuild_tensor_batch=rebuild_tensor_batch),
+            contextlib.suppress(Exception),
+            file.open("rb") as fh,
+        ):  # fmt: skip
+            pickle.load(fh)
     assert marker.exists()
