@@ -247,7 +247,12 @@ def verl_batch(seqs: list[Seq], group: int = 2):
 class DataProto:
     """verl's ``DataProto`` pickle protocol, reproduced from volcengine/verl ``verl/protocol.py``
     (``__getstate__``: ``torch.save`` of the consolidated TensorDict to bytes, then
-    ``(bytes, non_tensor_batch, meta_info)``); pickled under ``verl.protocol.DataProto``."""
+    ``(bytes, non_tensor_batch, meta_info)``); pickled under ``verl.protocol.DataProto``.
+    ``method``: ``"consolidated"`` (tensordict >= 0.5), ``"plain"`` (older tensordict: not
+    consolidated) or ``"numpy"`` (``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``:
+    ``serialize_tensordict``)."""
+
+    method = "consolidated"
 
     def __init__(self, batch, non_tensor_batch, meta_info) -> None:
         self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor_batch, meta_info
@@ -257,7 +262,17 @@ class DataProto:
 
         import torch
 
-        batch = self.batch.contiguous().consolidate()
+        if self.method == "numpy":
+            items = {
+                k: (str(v.dtype).removeprefix("torch."), v.shape,
+                    v.flatten().contiguous().view(torch.uint8).numpy())
+                for k, v in self.batch.items()
+            }  # fmt: skip
+            batch = (tuple(self.batch.batch_size), None, items)
+            return batch, self.non_tensor_batch, self.meta_info
+        batch = self.batch.contiguous()
+        if self.method == "consolidated":
+            batch = batch.consolidate()
         buffer = io.BytesIO()
         torch.save(batch, buffer)
         return buffer.getvalue(), self.non_tensor_batch, self.meta_info
@@ -269,9 +284,9 @@ class DataProto:
             pickle.dump(self, f)
 
 
-def write_verl(root: Path, data: dict[int, list[Seq]]) -> Path:
+def write_verl(root: Path, data: dict[int, list[Seq]], method: str = "consolidated") -> Path:
     """``root/step_<N>.dp``: the README hook's ``DataProto.save_to_disk`` of each step's batch,
-    with the real ``tensordict.TensorDict``."""
+    with the real ``tensordict.TensorDict`` (``method``: see ``DataProto``)."""
     from tensordict import TensorDict
 
     root.mkdir(parents=True, exist_ok=True)
@@ -282,7 +297,9 @@ def write_verl(root: Path, data: dict[int, list[Seq]]) -> Path:
             "temperature": 1.0,
             "global_token_num": [len(s.prompt) + len(s.response) for s in seqs],
         }
-        DataProto(td, non_tensor, meta).save_to_disk(root / f"step_{step}.dp")
+        proto = DataProto(td, non_tensor, meta)
+        proto.method = method
+        proto.save_to_disk(root / f"step_{step}.dp")
     return root
 
 

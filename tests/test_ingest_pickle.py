@@ -52,6 +52,8 @@ def _skyrl_legacy(root: Path, data: dict[int, list[Seq]]) -> Path:
 
 WRITERS: dict[str, tuple[str, Callable[[Path, dict[int, list[Seq]]], Path]]] = {
     "verl-dp": ("verl-dp", write_verl),
+    "verl-dp-unconsolidated": ("verl-dp", lambda root, data: write_verl(root, data, "plain")),
+    "verl-dp-numpy": ("verl-dp", lambda root, data: write_verl(root, data, "numpy")),
     "skyrl": ("skyrl", write_skyrl),
     "skyrl-legacy-bf16": ("skyrl", _skyrl_legacy),
 }
