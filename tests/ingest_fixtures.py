@@ -240,8 +240,17 @@ def verl_batch(seqs: list[Seq], group: int = 2):
         "rollout_log_probs": _padded([s.rollout for s in seqs], r_len, 0.0, False, torch.float32),
         "old_log_probs": _padded([s.train for s in seqs], r_len, 0.0, False, torch.float32),
     }
-    uids = np.array([f"uid-{i // group}" for i in range(len(seqs))], dtype=object)
-    return tensors, {"uid": uids, "data_source": np.array(["synthetic"] * len(seqs), dtype=object)}
+    n = len(seqs)
+    raw_prompt = np.empty(n, dtype=object)
+    raw_prompt[:] = [[{"role": "user", "content": "q"}] for _ in range(n)]
+    non_tensor = {
+        "uid": np.array([f"uid-{i // group}" for i in range(n)], dtype=object),
+        "data_source": np.array(["synthetic"] * n, dtype=object),
+        "raw_prompt": raw_prompt,
+        "__num_turns__": np.full(n, 2, dtype=np.int32),
+        "extra_info": np.array([{"index": np.int64(i), "split": "train"} for i in range(n)]),
+    }
+    return tensors, non_tensor
 
 
 class DataProto:
@@ -347,9 +356,11 @@ class TrainingInputBatch(dict):
         return (rebuild_tensor_batch, (type(self), self.__getstate__()))
 
     def __getstate__(self):
+        import torch
+
         batch_dict = {k: None if v is None else _skyrl_serialize(v) for k, v in self.items()}
         size = len(next(iter(self.values())))
-        return {"batch_dict": batch_dict, "batch_size": size, "device": None,
+        return {"batch_dict": batch_dict, "batch_size": size, "device": torch.device("cpu"),
                 "metadata": self.metadata}  # fmt: skip
 
     def __setstate__(self, state) -> None:  # pragma: no cover - SkyRL's, not used here
