@@ -258,3 +258,35 @@ def test_a_global_outside_the_whitelist_is_refused_and_never_runs(
         ):  # fmt: skip
             pickle.load(fh)
     assert marker.exists()
+
+
+def _verl_unequal(root: Path) -> tuple[list[str], str]:
+    from tensordict import TensorDict
+
+    root.mkdir(parents=True)
+    tensors, non_tensor = verl_batch(synthetic_steps([1], seqs=2)[1])
+    tensors["old_log_probs"] = tensors["old_log_probs"][:, :-1]
+    DataProto(TensorDict(tensors, batch_size=[2]), non_tensor, {}).save_to_disk(root / "step_1.dp")
+    return ["verl-dp", str(root)], "step_1.dp: arrays of unequal shape (responses ["
+
+
+def _skyrl_no_forward(root: Path) -> tuple[list[str], str]:
+    batch = skyrl_batch(synthetic_steps([1], seqs=2)[1])
+    batch["action_log_probs"] = None  # SkyRL's _skip_policy_forward
+    (root / "dumped_data").mkdir(parents=True)
+    file = root / "dumped_data" / "global_step_1_training_input.pkl"
+    with registered(SKYRL_MODULE, TrainingInputBatch=TrainingInputBatch,
+                    _rebuild_tensor_batch=rebuild_tensor_batch), file.open("wb") as fh:  # fmt: skip
+        pickle.dump(batch, fh)
+    return ["skyrl", str(root)], "no 'action_log_probs' (the trainer skipped its policy forward"
+
+
+@pytest.mark.parametrize("case", [_verl_unequal, _skyrl_no_forward], ids=lambda c: c.__name__)
+def test_a_dump_without_both_sides_aligned_is_one_line(
+    case: Callable[[Path], tuple[list[str], str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
+) -> None:
+    args, message = case(tmp_path / "src")
+    _assert_refused([*args, "--trust-pickle"], message, tmp_path, monkeypatch, capsys)

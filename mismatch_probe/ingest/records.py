@@ -171,6 +171,14 @@ def check_lengths(where: str, **arrays: np.ndarray | None) -> int:
     return next(iter(sizes.values()), 0)
 
 
+def check_shapes(file: Path, **arrays: np.ndarray) -> None:
+    """All ``[B, R]`` arrays of one batch dump agree; unequal shapes name each."""
+    shapes = {name: a.shape for name, a in arrays.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
+        raise ProbeError(f"{file}: arrays of unequal shape ({listed})")
+
+
 def masked_record(
     step: int,
     where: str,

@@ -38,8 +38,8 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
-from mismatch_probe.ingest.records import SeqRecord, StepRange, as_bool_mask
-from mismatch_probe.ingest.verl_dp import check_shapes
+from mismatch_probe.ingest.hook import to_numpy
+from mismatch_probe.ingest.records import SeqRecord, StepRange, as_bool_mask, check_shapes
 
 WHAT = "SkyRL TrainingInputBatch"
 _DUMP_FILE = re.compile(r"global_step_(\d+)_training_input\.pkl$")
@@ -102,8 +102,6 @@ def load_dump(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _array(tensors: dict[str, Any], key: str, file: Path, dtype: Any, why: str = "") -> np.ndarray:
-    from mismatch_probe.ingest.hook import to_numpy
-
     if tensors.get(key) is None:
         raise ProbeError(f"{file}: the batch has no {key!r}{why}")
     value = to_numpy(tensors[key], dtype)

@@ -38,7 +38,8 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
-from mismatch_probe.ingest.records import SeqRecord, StepRange, as_bool_mask
+from mismatch_probe.ingest.hook import to_numpy
+from mismatch_probe.ingest.records import SeqRecord, StepRange, as_bool_mask, check_shapes
 
 WHAT = "verl DataProto"
 _DUMP_FILE = re.compile(r"step_(\d+)\.dp$")
@@ -118,22 +119,12 @@ def _numpy_serialized(items: dict[str, Any]) -> dict[str, Any]:
 
 
 def _numpy(batch: dict[str, Any], key: str, file: Path, dtype: Any) -> np.ndarray:
-    from mismatch_probe.ingest.hook import to_numpy
-
     if key not in batch or batch[key] is None:
         raise ProbeError(f"{file}: the batch has no {key!r} (keys: {', '.join(sorted(batch))})")
     value = to_numpy(batch[key], dtype)
     if value.ndim != 2:
         raise ProbeError(f"{file}: {key} has shape {value.shape}, expected [batch, tokens]")
     return value
-
-
-def check_shapes(file: Path, **arrays: np.ndarray) -> None:
-    """All ``[B, R]`` arrays of one dump agree; unequal shapes name each."""
-    shapes = {name: a.shape for name, a in arrays.items()}
-    if len(set(shapes.values())) > 1:
-        listed = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
-        raise ProbeError(f"{file}: arrays of unequal shape ({listed})")
 
 
 def _mask(batch: dict[str, Any], width: int, file: Path) -> tuple[np.ndarray, str]:
