@@ -327,7 +327,8 @@ StepOpt = Annotated[
 FormatArg = Annotated[
     str,
     typer.Argument(
-        help="Log format: prime-rl, nemo-rl, slime, miles-parquet or probe (our token schema)."
+        help="Log format: prime-rl, nemo-rl, slime, miles-parquet, verl-dp, skyrl (these two "
+        "with --trust-pickle) or probe (our token schema)."
     ),
 ]
 
@@ -335,7 +336,8 @@ SourceArg = Annotated[
     Path,
     typer.Argument(
         help="The framework's output: prime-rl output dir (or its token_exports/), NeMo-RL "
-        "log dir, slime/Miles dump_details dir, or a ProbeWriter directory."
+        "log dir, slime/Miles dump_details dir, a directory of verl step_<N>.dp dumps, SkyRL "
+        "export_path (or its dumped_data/), or a ProbeWriter directory."
     ),
 ]
 
@@ -361,8 +363,10 @@ TrustPickleOpt = Annotated[
     bool,
     typer.Option(
         "--trust-pickle",
-        help="Allow dumps that need full unpickling (slime .pt beyond tensors and lists). "
-        "Unpickling runs code from the file: only for files you trust.",
+        help="Allow pickle-based dumps: verl-dp (.dp) and skyrl (.pkl), which are Python "
+        "pickles, and slime .pt files holding more than tensors and lists. Unpickling runs code "
+        "from the file, so only for files you trust (verl-dp and skyrl are still rebuilt from a "
+        "whitelist of numpy/torch types, never importing verl, tensordict or SkyRL).",
     ),
 ]
 

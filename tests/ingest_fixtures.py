@@ -9,6 +9,9 @@ trend and threshold crossings are known in advance.
 from __future__ import annotations
 
 import json
+import sys
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,4 +180,249 @@ def write_miles(root: Path, data: dict[int, list[Seq]]) -> Path:
         table = pa.table(rows, schema=schema)
         pq.write_table(table, root / "dashboard_columns" / f"rollout_{step}.parquet",
                        row_group_size=8)  # fmt: skip
+    return root
+
+
+@contextmanager
+def registered(module: str, **names: object):
+    """``module`` (and its parents) in ``sys.modules`` holding ``names``, for ``pickle.dump`` to
+    name classes by the framework's module path; removed afterwards."""
+    parts = module.split(".")
+    added = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    added = [m for m in added if m not in sys.modules]
+    for m in added:
+        sys.modules[m] = types.ModuleType(m)
+    for name, obj in names.items():
+        setattr(sys.modules[module], name, obj)
+        if callable(obj):  # pickle names it by module and qualified name
+            obj.__module__ = module  # type: ignore[attr-defined]
+            obj.__qualname__ = name  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for m in added:
+            del sys.modules[m]
+
+
+def _padded(rows: list[list], width: int, value: float, left: bool, dtype):
+    """``[len(rows), width]`` tensor of ``rows``, each left-padded (``left``: right-aligned,
+    SkyRL's layout) or right-padded (verl's responses) with ``value``."""
+    import torch
+
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            row = torch.tensor(r, dtype=torch.float64).to(dtype)
+            if left:
+                out[i, width - len(r) :] = row
+            else:
+                out[i, : len(r)] = row
+    return out
+
+
+def verl_batch(seqs: list[Seq], group: int = 2):
+    """verl's batch after the old-log-prob recompute (``ray_trainer.fit``, keys as
+    ``agent_loop._postprocess`` builds them): prompts left-padded, responses right-padded,
+    ``uid`` shared by ``group`` consecutive responses. ``(tensors, non_tensor_batch)``."""
+    import torch
+
+    p_len = max(len(s.prompt) for s in seqs)
+    r_len = max(len(s.response) for s in seqs) + 2  # padding after every response
+    prompts = _padded([s.prompt for s in seqs], p_len, 0, True, torch.int64)
+    responses = _padded([s.response for s in seqs], r_len, 0, False, torch.int64)
+    mask = _padded([[1] * len(s.response) for s in seqs], r_len, 0, False, torch.int64)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": torch.cat([(prompts != 0).long(), mask], dim=1),
+        "rollout_log_probs": _padded([s.rollout for s in seqs], r_len, 0.0, False, torch.float32),
+        "old_log_probs": _padded([s.train for s in seqs], r_len, 0.0, False, torch.float32),
+    }
+    n = len(seqs)
+    raw_prompt = np.empty(n, dtype=object)
+    raw_prompt[:] = [[{"role": "user", "content": "q"}] for _ in range(n)]
+    non_tensor = {
+        "uid": np.array([f"uid-{i // group}" for i in range(n)], dtype=object),
+        "data_source": np.array(["synthetic"] * n, dtype=object),
+        "raw_prompt": raw_prompt,
+        "__num_turns__": np.full(n, 2, dtype=np.int32),
+        "extra_info": np.array([{"index": np.int64(i), "split": "train"} for i in range(n)]),
+    }
+    return tensors, non_tensor
+
+
+class DataProto:
+    """verl's ``DataProto`` pickle protocol, reproduced from volcengine/verl ``verl/protocol.py``
+    (``__getstate__``: ``torch.save`` of the consolidated TensorDict to bytes, then
+    ``(bytes, non_tensor_batch, meta_info)``); pickled under ``verl.protocol.DataProto``.
+    ``method``: ``"consolidated"`` (tensordict >= 0.5), ``"plain"`` (older tensordict: not
+    consolidated) or ``"numpy"`` (``VERL_DATAPROTO_SERIALIZATION_METHOD=numpy``:
+    ``serialize_tensordict``)."""
+
+    method = "consolidated"
+
+    def __init__(self, batch, non_tensor_batch, meta_info) -> None:
+        self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor_batch, meta_info
+
+    def __getstate__(self):
+        import io
+
+        import torch
+
+        if self.method == "numpy":
+            items = {
+                k: (str(v.dtype).removeprefix("torch."), v.shape,
+                    v.flatten().contiguous().view(torch.uint8).numpy())
+                for k, v in self.batch.items()
+            }  # fmt: skip
+            batch = (tuple(self.batch.batch_size), None, items)
+            return batch, self.non_tensor_batch, self.meta_info
+        batch = self.batch.contiguous()
+        if self.method == "consolidated":
+            batch = batch.consolidate()
+        buffer = io.BytesIO()
+        torch.save(batch, buffer)
+        return buffer.getvalue(), self.non_tensor_batch, self.meta_info
+
+    def save_to_disk(self, filepath) -> None:
+        import pickle
+
+        with registered("verl.protocol", DataProto=DataProto), open(filepath, "wb") as f:
+            pickle.dump(self, f)
+
+
+def write_verl(root: Path, data: dict[int, list[Seq]], method: str = "consolidated") -> Path:
+    """``root/step_<N>.dp``: the README hook's ``DataProto.save_to_disk`` of each step's batch,
+    with the real ``tensordict.TensorDict`` (``method``: see ``DataProto``)."""
+    from tensordict import TensorDict
+
+    root.mkdir(parents=True, exist_ok=True)
+    for step, seqs in data.items():
+        tensors, non_tensor = verl_batch(seqs)
+        td = TensorDict(tensors, batch_size=[len(seqs)])
+        meta = {
+            "temperature": 1.0,
+            "global_token_num": [len(s.prompt) + len(s.response) for s in seqs],
+        }
+        proto = DataProto(td, non_tensor, meta)
+        proto.method = method
+        proto.save_to_disk(root / f"step_{step}.dp")
+    return root
+
+
+SKYRL_MODULE = "skyrl.backends.skyrl_train.training_batch"
+
+
+def _skyrl_serialize(value):
+    """SkyRL ``_serialize_tensor``: numpy bytes, ``torch.save`` for bfloat16."""
+    import io
+
+    import torch
+
+    try:
+        arr = value.numpy()
+        return {
+            "format": "numpy",
+            "data": arr.tobytes(),
+            "shape": arr.shape,
+            "dtype": str(arr.dtype),
+        }
+    except TypeError:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        return {"format": "torch", "data": buffer.getvalue()}
+
+
+def rebuild_tensor_batch(cls, state):
+    obj = dict.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
+class TrainingInputBatch(dict):
+    """SkyRL's ``TensorBatch`` pickle protocol, reproduced from NovaSky-AI/SkyRL
+    ``skyrl/backends/skyrl_train/training_batch.py``: ``__reduce__`` ->
+    ``_rebuild_tensor_batch(cls, __getstate__())`` (``legacy=True``: the layout before 2026-03,
+    a dict subclass pickled with its raw tensor items and the same state)."""
+
+    metadata = None
+    legacy = False
+
+    def __reduce_ex__(self, protocol):
+        if self.legacy:
+            return super().__reduce_ex__(protocol)
+        return (rebuild_tensor_batch, (type(self), self.__getstate__()))
+
+    def __getstate__(self):
+        import torch
+
+        batch_dict = {k: None if v is None else _skyrl_serialize(v) for k, v in self.items()}
+        size = len(next(iter(self.values())))
+        return {"batch_dict": batch_dict, "batch_size": size, "device": torch.device("cpu"),
+                "metadata": self.metadata}  # fmt: skip
+
+    def __setstate__(self, state) -> None:  # pragma: no cover - SkyRL's, not used here
+        raise NotImplementedError
+
+
+def skyrl_batch(seqs: list[Seq], pad_size: int = 0, train_dtype=None):
+    """``convert_prompts_responses_to_batch_tensors`` + ``fwd_logprobs_values_reward``: left-padded
+    sequences, right-aligned response tensors; ``pad_size`` padding copies of row 0 (loss mask 0)
+    as ``pad_training_input_batch`` adds; two responses per prompt."""
+    import torch
+
+    n = len(seqs)
+    total = max(len(s.prompt) + len(s.response) for s in seqs)
+    width = max(len(s.response) for s in seqs)
+    batch = TrainingInputBatch(
+        sequences=_padded([s.prompt + s.response for s in seqs], total, 0, True, torch.int64),
+        attention_mask=_padded(
+            [[1] * (len(s.prompt) + len(s.response)) for s in seqs], total, 0, True, torch.int64
+        ),
+        response_mask=_padded([[1] * len(s.response) for s in seqs], width, 0, True, torch.int64),
+        loss_mask=_padded([[1.0] * len(s.response) for s in seqs], width, 0.0, True, torch.float32),
+        rollout_logprobs=_padded([s.rollout for s in seqs], width, 0.0, True, torch.float32),
+        action_log_probs=_padded(
+            [s.train for s in seqs], width, 0.0, True, train_dtype or torch.float32
+        ),
+        base_action_log_probs=_padded([s.train for s in seqs], width, 0.0, True, torch.float32),
+        advantages=torch.zeros(n, width),
+        values=None,
+    )
+    if pad_size:
+        for key, value in list(batch.items()):
+            if value is not None:
+                pad = (
+                    torch.zeros_like(value[:pad_size])
+                    if key == "loss_mask"
+                    else value[[0] * pad_size]
+                )
+                batch[key] = torch.cat([value, pad])
+    batch.metadata = {
+        "policy_mini_batch_boundaries": [(0, n + pad_size)],
+        "policy_prompt_boundaries": [(i, min(i + 2, n)) for i in range(0, n, 2)],
+        "response_length": width,
+        "avg_response_length": sum(len(s.response) for s in seqs) / n,
+        "pad_size": pad_size,
+        "metrics": {"loss/avg_final_rewards": 0.5},
+    }
+    return batch
+
+
+def write_skyrl(root: Path, data: dict[int, list[Seq]], legacy: bool = False, **kw) -> Path:
+    """``root/dumped_data/global_step_<N>_training_input.pkl`` (``trainer.dump_data``);
+    ``legacy``: the ``skyrl_train.training_batch`` module and pickle layout of early 2026."""
+    import pickle
+
+    (root / "dumped_data").mkdir(parents=True, exist_ok=True)
+    module = "skyrl_train.training_batch" if legacy else SKYRL_MODULE
+    with registered(module, TrainingInputBatch=TrainingInputBatch,
+                     _rebuild_tensor_batch=rebuild_tensor_batch):  # fmt: skip
+        for step, seqs in data.items():
+            batch = skyrl_batch(seqs, **kw)
+            batch.legacy = legacy
+            with open(root / "dumped_data" / f"global_step_{step}_training_input.pkl", "wb") as f:
+                pickle.dump(batch, f)
     return root

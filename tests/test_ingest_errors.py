@@ -91,7 +91,7 @@ def pickle_needed(tmp: Path) -> tuple[list[str], str]:
 
 
 def unknown_format(tmp: Path) -> tuple[list[str], str]:
-    return ["verl-dp", str(_prime(tmp))], "unknown format 'verl-dp'"
+    return ["openrlhf", str(_prime(tmp))], "unknown format 'openrlhf'"
 
 
 def miles_without_model(tmp: Path) -> tuple[list[str], str]:

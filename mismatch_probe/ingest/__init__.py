@@ -9,8 +9,9 @@ Public API::
     result = run_ingest(IngestConfig("prime-rl", Path("outputs"), Path("runs/prime")))
 
 Module map: ``records`` (the common ``SeqRecord``, config, shared checks), one reader per
-format (``prime_rl``, ``nemo_rl``, ``slime``, ``miles``, ``probe_format``) behind the table in
-``formats``, ``hook`` (``ProbeWriter``, the writer half of the verl/TRL hooks), ``writer``
+format (``prime_rl``, ``nemo_rl``, ``slime``, ``miles``, ``verl_dp``, ``skyrl``,
+``probe_format``) behind the table in ``formats``, ``pickles`` (the restricted unpickler of the
+pickle-based dumps), ``hook`` (``ProbeWriter``, the writer half of the verl/TRL hooks), ``writer``
 (streaming token store), ``rescoring`` (the training side of rollout-only formats), ``run``
 (the pipeline). Readers know nothing about metrics or reports.
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.ingest import miles, nemo_rl, prime_rl, probe_format, slime
+from mismatch_probe.ingest import miles, nemo_rl, prime_rl, probe_format, skyrl, slime, verl_dp
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord
 
 
@@ -74,6 +74,22 @@ FORMATS: dict[str, Format] = {
         "rollout_log_probs",
         None,
         "radixark/miles miles/ray/rollout/debug_data.py",
+    ),
+    "verl-dp": Format(
+        lambda c: verl_dp.read(c.path, c.steps, c.trust_pickle),
+        verl_dp.off_policy,
+        "DataProto pickle step_<N>.dp (consolidated TensorDict)",
+        "rollout_log_probs",
+        "old_log_probs",
+        "volcengine/verl verl/protocol.py, verl/trainer/ppo/ray_trainer.py",
+    ),
+    "skyrl": Format(
+        lambda c: skyrl.read(c.path, c.steps, c.trust_pickle),
+        skyrl.off_policy,
+        "TrainingInputBatch pickle global_step_<N>_training_input.pkl",
+        "rollout_logprobs",
+        "action_log_probs",
+        "NovaSky-AI/SkyRL skyrl/train/trainer.py, skyrl/backends/skyrl_train/training_batch.py",
     ),
     "probe": Format(
         lambda c: probe_format.read(c.path, c.steps),

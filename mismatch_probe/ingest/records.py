@@ -100,7 +100,8 @@ class IngestConfig:
         out: the run directory to create; must not exist or be empty.
         model: checkpoint for rescoring (Miles) and token text; None for neither.
         steps: which steps to read.
-        trust_pickle: allow ``torch.load(weights_only=False)`` (runs code from the file).
+        trust_pickle: allow pickle-based dumps (verl-dp, skyrl) and slime's
+            ``torch.load(weights_only=False)`` (unpickling runs code from the file).
         temperature: the rollout's sampling temperature (for rescoring only).
         train_dtype: the rescoring dtype.
         batch_tokens: padded tokens per rescoring forward pass.
@@ -168,6 +169,14 @@ def check_lengths(where: str, **arrays: np.ndarray | None) -> int:
         listed = ", ".join(f"{name} {n}" for name, n in sizes.items())
         raise ProbeError(f"{where}: arrays of unequal length ({listed})")
     return next(iter(sizes.values()), 0)
+
+
+def check_shapes(file: Path, **arrays: np.ndarray) -> None:
+    """All ``[B, R]`` arrays of one batch dump agree; unequal shapes name each."""
+    shapes = {name: a.shape for name, a in arrays.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
+        raise ProbeError(f"{file}: arrays of unequal shape ({listed})")
 
 
 def masked_record(

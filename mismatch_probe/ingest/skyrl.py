@@ -1,0 +1,168 @@
+"""SkyRL training-batch dumps: ``{export_path}/dumped_data/global_step_<N>_training_input.pkl``
+(``--trust-pickle`` only).
+
+Checked against NovaSky-AI/SkyRL ``skyrl/train/trainer.py`` (``train``: with
+``trainer.dump_data_batch=true`` the batch is dumped after ``fwd_logprobs_values_reward`` and
+``compute_advantages_and_returns``; ``dump_data``; ``convert_to_training_input``),
+``skyrl/train/dataset/preprocess.py`` (``convert_prompts_responses_to_batch_tensors``,
+``compute_prompt_boundaries``), ``skyrl/backends/skyrl_train/training_batch.py``
+(``TensorBatch.__reduce__``/``__getstate__``, ``pad_training_input_batch``) and
+``skyrl/train/config/config.py`` (``dump_data_batch``) at commit a956457 (2026-08), and
+``skyrl-train/skyrl_train/training_batch.py`` before the move (2026-02):
+
+* ``TrainingInputBatch.save`` is ``pickle.dump(batch)``; since 2026-03 the batch pickles as
+  ``_rebuild_tensor_batch(cls, {"batch_dict", "batch_size", "device", "metadata"})``, each
+  tensor in ``batch_dict`` as ``{"format": "numpy", "data", "shape", "dtype"}`` or
+  ``{"format": "torch", "data": torch.save bytes}`` (bfloat16); before, as a dict subclass whose
+  items are the raw tensors and whose state is that dict. The module is
+  ``skyrl.backends.skyrl_train.training_batch`` (``skyrl_train.training_batch`` before 2026-02);
+* keys: ``sequences`` ``[B, T]`` (left-padded prompt + response), and, right-aligned in
+  ``[B, R]`` (a response of length ``n`` fills the last ``n`` columns): ``response_mask``,
+  ``loss_mask`` (1 = trained; 0 e.g. for tool output), ``rollout_logprobs`` (the engine's;
+  None without ``generator.sampling_params.logprobs``), ``action_log_probs`` (the trainer's
+  forward; None when ``_skip_policy_forward``), ``base_action_log_probs`` (reference model);
+  the response tokens are ``sequences[:, -R:]``;
+* ``metadata["uids"]`` is popped before the dump; ``metadata["policy_prompt_boundaries"]``
+  (``(start, end)`` rows per prompt, where present) gives the prompt groups;
+  ``metadata["pad_size"]`` rows at the end are padding copies (loss mask 0) and are dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest import pickles
+from mismatch_probe.ingest.hook import to_numpy
+from mismatch_probe.ingest.records import SeqRecord, StepRange, as_bool_mask, check_shapes
+
+WHAT = "SkyRL TrainingInputBatch"
+_DUMP_FILE = re.compile(r"global_step_(\d+)_training_input\.pkl$")
+_NO_ROLLOUT = " (the generator returned none: set generator.sampling_params.logprobs)"
+_NO_TRAIN = " (the trainer skipped its policy forward: no recomputed log-probs)"
+_MODULES = ("skyrl.backends.skyrl_train.training_batch", "skyrl_train.training_batch")
+
+
+def dump_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
+    if not path.is_dir():
+        raise ProbeError(f"{path}: no such directory")
+    root = path / "dumped_data" if (path / "dumped_data").is_dir() else path
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _DUMP_FILE.match(p.name)))
+    chosen = [(n, p) for n, p in found if n in steps]
+    if not chosen:
+        raise ProbeError(f"{root}: no global_step_<N>_training_input.pkl dump in the chosen steps")
+    return chosen
+
+
+def _rebuild_tensor_batch(cls: Any, state: Any) -> pickles.CapturedDict:
+    """Stand-in for SkyRL's ``_rebuild_tensor_batch``: the state, nothing rebuilt."""
+    batch = pickles.CapturedDict()
+    batch.state = state
+    return batch
+
+
+_STAND_INS: dict[tuple[str, str], Any] = {}
+for _module in _MODULES:
+    for _name in ("TensorBatch", "TrainingInputBatch", "TrainingOutputBatch"):
+        _STAND_INS[(_module, _name)] = pickles.CapturedDict
+    _STAND_INS[(_module, "_rebuild_tensor_batch")] = _rebuild_tensor_batch
+    _STAND_INS[(_module, "TensorList")] = pickles.Captured
+
+
+def _tensor(value: Any, key: str) -> Any:
+    """One ``batch_dict`` entry (or a raw tensor of the older layout) -> array or tensor."""
+    if not isinstance(value, dict):
+        return value
+    if value.get("format") == "torch":
+        return pickles.torch_load(value["data"], {})
+    if value.get("format") == "tensor_list":
+        return None  # variable-shape tensors (pixel values): not needed here
+    return np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+
+
+def load_dump(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors, metadata)`` of one dump, without SkyRL."""
+    obj = pickles.load(file, _STAND_INS, WHAT)
+    if not isinstance(obj, pickles.CapturedDict):
+        raise ProbeError(f"{file}: not a pickled SkyRL TrainingInputBatch")
+    state = obj.state if isinstance(obj.state, dict) else {}
+    tensors: dict[str, Any] = dict(obj)
+    encoded = state.get("batch_dict")
+    if isinstance(encoded, dict):
+        tensors = pickles.guarded(
+            file, WHAT, lambda: {k: _tensor(v, k) for k, v in encoded.items()}
+        )
+    metadata = state.get("metadata")
+    return tensors, metadata if isinstance(metadata, dict) else {}
+
+
+def _array(tensors: dict[str, Any], key: str, file: Path, dtype: Any, why: str = "") -> np.ndarray:
+    if tensors.get(key) is None:
+        raise ProbeError(f"{file}: the batch has no {key!r}{why}")
+    value = to_numpy(tensors[key], dtype)
+    if value.ndim != 2:
+        raise ProbeError(f"{file}: {key} has shape {value.shape}, expected [batch, tokens]")
+    return value
+
+
+def _groups(metadata: dict[str, Any], rows: int) -> list[str | None]:
+    """Each row's prompt key: ``uids`` when kept, else the prompt boundaries, else None."""
+    uids = metadata.get("uids")
+    if isinstance(uids, list) and len(uids) >= rows:
+        return [str(u) for u in uids[:rows]]
+    keys: list[str | None] = [None] * rows
+    for k, bounds in enumerate(metadata.get("policy_prompt_boundaries") or []):
+        start, end = int(bounds[0]), int(bounds[1])
+        keys[start : min(end, rows)] = [f"prompt {k}"] * max(0, min(end, rows) - start)
+    return keys
+
+
+def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[SeqRecord]:
+    """Every response of each chosen dump, one dump in memory at a time."""
+    pickles.refuse_untrusted(path, "SkyRL .pkl dumps", trust_pickle)
+    for step, file in dump_files(path, steps):
+        tensors, metadata = load_dump(file)
+        rollout = _array(tensors, "rollout_logprobs", file, np.float64, _NO_ROLLOUT)
+        train = _array(tensors, "action_log_probs", file, np.float64, _NO_TRAIN)
+        loss_mask = _array(tensors, "loss_mask", file, np.float64)
+        response_mask = _array(tensors, "response_mask", file, np.float64)
+        check_shapes(file, loss_mask=loss_mask, response_mask=response_mask,
+                     rollout_logprobs=rollout, action_log_probs=train)  # fmt: skip
+        width = rollout.shape[1]
+        sequences = _array(tensors, "sequences", file, np.int64)
+        if sequences.shape[0] != rollout.shape[0] or sequences.shape[1] < width:
+            raise ProbeError(f"{file}: sequences {list(sequences.shape)} do not hold the "
+                             f"responses {list(rollout.shape)}")  # fmt: skip
+        rows = rollout.shape[0] - int(metadata.get("pad_size") or 0)
+        groups = _groups(metadata, rows)
+        for i in range(rows):
+            where = f"{file} row {i}"
+            trained = as_bool_mask(loss_mask[i], "loss_mask", where)
+            trained &= as_bool_mask(response_mask[i], "response_mask", where)
+            keep = np.flatnonzero(trained)
+            first = width - int(response_mask[i].sum())  # the response's first column
+            yield SeqRecord(
+                step=step,
+                source=where,
+                prompt_key=groups[i],
+                token_ids=sequences[i, -width:][keep],
+                positions=keep - first,
+                rollout=rollout[i][keep],
+                train=train[i][keep],
+            )
+        del tensors
+
+
+def off_policy(path: Path) -> dict[str, Any]:
+    return {
+        "max_off_policy_steps": None,
+        "source": "not in the dump: SkyRL's RayPPOTrainer is on-policy; its fully async "
+        "trainer trains on rollouts up to trainer.fully_async.max_staleness_steps (default 4) "
+        "policy versions old",
+        "staleness": None,
+    }
