@@ -15,9 +15,7 @@ the descriptors) to a log file, while the tool's own output (progress bars, writ
 ``sys.stderr``) still reaches the terminal. ``root_cause`` finds the real error of a failed
 start in that log. ``collect_later`` makes a shutdown fast: vLLM's teardown runs full
 garbage collections (about a second each with vLLM, torch and transformers imported) that free
-nothing its reference counts do not already free. ``frozen_heap`` makes every other full
-collection of an engine's life cheap: the heap of before the engine (the imported modules,
-about 640,000 objects) is frozen while the engine lives.
+nothing its reference counts do not already free.
 """
 
 from __future__ import annotations
@@ -139,30 +137,6 @@ def collect_later() -> Iterator[None]:
         yield
     finally:
         gc.collect = collect
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Freeze the garbage collector's heap for the body; unfreeze it on exit.
-
-    vLLM collects fully twice while it loads the model and three times when it freezes its
-    startup heap (``freeze_gc_heap``), and the caller collects once after the engine is gone:
-    each full collection traverses every object of the process, about a second with torch,
-    transformers and vLLM imported (2 s on a slow CPU). With the heap of before the engine
-    frozen (``gc.freeze``), they traverse only what the engine created. vLLM's own
-    ``gc.freeze`` and ``gc.unfreeze`` are no-ops meanwhile: its freeze is a serving-time
-    optimisation that would keep the engine's own objects from ever being collected here, and
-    its unfreeze at shutdown would hand the whole heap back early. On exit the heap is
-    unfrozen as it was on entry, so garbage frozen meanwhile is collected later as usual.
-    """
-    freeze, unfreeze = gc.freeze, gc.unfreeze
-    freeze()
-    gc.freeze = gc.unfreeze = lambda: None
-    try:
-        yield
-    finally:
-        gc.freeze, gc.unfreeze = freeze, unfreeze
-        unfreeze()
 
 
 # --- output capture ---------------------------------------------------------------------------
