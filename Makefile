@@ -35,7 +35,7 @@ demo: install
 	    --rollout-dtype bfloat16,float16,float32 --kv-cache-dtype auto,fp8
 
 test: install browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Headless Chromium for tests/test_report_html.py; where it cannot be installed (no root, no apt)
 # that test is skipped and says why.

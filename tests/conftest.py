@@ -1,5 +1,9 @@
 """Shared fixtures: a tiny random model built once, and real vLLM engines shared per session.
 
+``make test`` runs the suite on two pytest-xdist workers, one test module per worker at a time
+(``--dist loadfile``: a module's tests share its engines and fixtures), the slowest modules
+first (``FIRST``), so that neither worker is left with a long module at the end.
+
 An engine starts in a few seconds (in process, the CPU default) and still costs more than most
 tests, so engines live in a session-wide pool keyed by (dtype, logprobs mode): each
 configuration starts once; the pool keeps one engine alive at a time (tests that share a
@@ -19,6 +23,21 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothing downloads
 
+# The slowest modules, slowest first (measured with ``--durations``): scheduled before the rest.
+FIRST = (
+    "test_sharded_scan.py",
+    "test_lifecycle.py",
+    "test_matrix.py",
+    "test_faults.py",
+    "test_scan_cli.py",
+    "test_routing_engine.py",
+    "test_ingest_formats.py",
+    "test_ingest_pickle.py",
+    "test_routing_scan.py",
+    "test_attribution_cli.py",
+    "test_identity.py",
+)
+
 TINY_CONTEXT = 512
 # The prompts of the engine tests (identity, routing): short, varied, chat-templated.
 PROMPT_TEXTS = (
@@ -29,6 +48,12 @@ PROMPT_TEXTS = (
     "Two plus two equals",
     "The quick brown fox",
 )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules of ``FIRST`` first, in its order; the rest as collected (a stable sort)."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
 
 
 def encoded_prompts(tokenizer: Any, max_tokens: int = 64) -> list[Any]:

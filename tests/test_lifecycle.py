@@ -1,8 +1,9 @@
 """The engine's life in a scan, from the outside: interrupts, failed starts, quiet output.
 
-Each test runs the ``probe`` console script on the tiny model in a subprocess (its own process
-group, so that a signal reaches the scan as Ctrl-C reaches it in a terminal) and watches the
-process table while it runs: no process the scan started may outlive it. The stage to
+Each test runs ``probe scan`` on the tiny model in a process of its own (forked from one that
+imported torch, vLLM and transformers once, ``tests/forked_cli.py``, or the console script; its
+own process group, so that a signal reaches the scan as Ctrl-C reaches it in a terminal) and
+watches the process table while it runs: no process the scan started may outlive it. The stage to
 interrupt is read from the scan's stage trace (``MISMATCH_PROBE_STAGE_TRACE``); stages shorter
 than a signal's round trip are held open with ``MISMATCH_PROBE_STAGE_HOLD``. The scans run
 side by side (module fixture ``outcomes``); the tests then read their outcomes.
@@ -23,6 +24,7 @@ import pytest
 
 from mismatch_probe import store
 from mismatch_probe.engine_process import descendants, root_cause
+from tests.forked_cli import Forker
 
 pytestmark = pytest.mark.engine
 
@@ -72,40 +74,52 @@ def run_scan(
     at_stage: str | None = None,
     signum: int = signal.SIGINT,
     env: dict[str, str] | None = None,
+    forker: Forker | None = None,
 ) -> Outcome:
-    """Run ``probe scan ARGS``; when ``at_stage`` is given, signal the process group as soon
-    as the scan enters that stage."""
+    """Run ``probe scan ARGS`` (forked by ``forker``, else the console script); when
+    ``at_stage`` is given, signal the process group as soon as the scan enters that stage."""
     trace = tmp_path / "stages.txt"
-    probe = Path(sys.executable).with_name("probe")
-    full_env = {**os.environ, "MISMATCH_PROBE_STAGE_TRACE": str(trace), **(env or {})}
     stderr_path = tmp_path / "stderr.txt"
-    with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(
-            [str(probe), "scan", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env=full_env,
-            start_new_session=True,
-        )
-        seen: dict[int, str] = {}
-        signalled_at = None
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:
-            for pid in descendants(proc.pid):
-                start = _start_time(pid)
-                if start is not None:
-                    seen.setdefault(pid, start)
-            stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
-            if at_stage and signalled_at is None and stages and stages[-1] == at_stage:
-                os.killpg(proc.pid, signum)
-                signalled_at = time.monotonic()
-            time.sleep(0.1)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"probe scan did not finish; stages {stages}")
+    scan_env = {"MISMATCH_PROBE_STAGE_TRACE": str(trace), **(env or {})}
+    if forker is not None:
+        pid, exit_file = forker.start(["scan", *args], scan_env, stderr_path)
+        proc = None
+    else:
+        probe = Path(sys.executable).with_name("probe")
+        with open(stderr_path, "w") as stderr:
+            proc = subprocess.Popen(
+                [str(probe), "scan", *args],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env={**os.environ, **scan_env},
+                start_new_session=True,
+            )
+        pid = proc.pid
+
+    def running() -> bool:
+        return proc.poll() is None if proc is not None else not exit_file.is_file()
+
+    seen: dict[int, str] = {}
+    signalled_at = None
+    deadline = time.monotonic() + 600
+    stages: list[str] = []
+    while running() and time.monotonic() < deadline:
+        for child in descendants(pid):
+            start = _start_time(child)
+            if start is not None:
+                seen.setdefault(child, start)
+        stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
+        if at_stage and signalled_at is None and stages and stages[-1] == at_stage:
+            os.killpg(pid, signum)
+            signalled_at = time.monotonic()
+        time.sleep(0.1)
+    if running():
+        os.killpg(pid, signal.SIGKILL)
+        pytest.fail(f"probe scan did not finish; stages {stages}")
+    code = proc.returncode if proc is not None else int(exit_file.read_text())
     after = time.monotonic() - signalled_at if signalled_at is not None else 0.0
     stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
-    return Outcome(proc.returncode, stderr_path.read_text(), stages, seen, after, tmp_path)
+    return Outcome(code, stderr_path.read_text(), stages, seen, after, tmp_path)
 
 
 def scan_args(model: Path, prompts: Path, out: Path, max_tokens: int = 8) -> list[str]:
@@ -175,15 +189,27 @@ def _scenarios(model: Path, prompts: Path, root: Path) -> dict[str, dict[str, An
 def outcomes(
     tiny_model: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Outcome]:
-    """The module's subprocess scans, run ``PARALLEL`` at a time."""
+    """The module's scans, run ``PARALLEL`` at a time: forked from one process that imported
+    torch, vLLM and transformers once (``tests/forked_cli.py``), except ``mp_sigterm``, whose
+    ``--verbose`` output includes what those imports print, so it runs the console script."""
     from concurrent.futures import ThreadPoolExecutor
 
     scenarios = _scenarios(tiny_model, prompts, tmp_path_factory.mktemp("scans"))
     for kwargs in scenarios.values():
         kwargs["tmp_path"].mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {name: pool.submit(run_scan, **kw) for name, kw in scenarios.items()}
-        return {name: future.result() for name, future in futures.items()}
+    forker = Forker()
+    try:
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            longest_first = sorted(scenarios, key=lambda name: not name.startswith("mp_"))
+            futures = {
+                name: pool.submit(
+                    run_scan, **scenarios[name], forker=None if name == "mp_sigterm" else forker
+                )
+                for name in longest_first  # multiprocess engines: two more processes to start
+            }
+            return {name: future.result() for name, future in futures.items()}
+    finally:
+        forker.close()
 
 
 @pytest.mark.parametrize("stage", list(INTERRUPTS))
@@ -252,13 +278,16 @@ def test_a_signal_a_library_swallowed_still_ends_as_interrupted() -> None:
     a ``SchemaError`` (seen once in the suite): the run must still end as interrupted."""
     from mismatch_probe import interrupt
 
-    with pytest.raises(interrupt.Interrupted) as info:
-        with interrupt.handled(), interrupt.stage("engine start"):
-            try:
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(5)  # the handler raises here
-            except BaseException:
-                raise ValueError("SchemaError: Error building validator") from None
+    with (
+        pytest.raises(interrupt.Interrupted) as info,
+        interrupt.handled(),
+        interrupt.stage("engine start"),
+    ):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here
+        except BaseException:
+            raise ValueError("SchemaError: Error building validator") from None
     assert (info.value.stage, info.value.exit_code) == ("engine start", 130)
     interrupt.reraise_swallowed()  # handled() forgot the signal on exit: nothing to raise
 
