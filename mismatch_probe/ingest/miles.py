@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.ingest.records import SeqRecord, StepRange
+from mismatch_probe.ingest.records import SeqRecord, StepRange, numbered_files
 from mismatch_probe.ingest.slime import sample_record
 
 COLUMNS = ("sample_index", "response_length", "total_length", "tokens", "loss_mask",
@@ -33,14 +33,7 @@ ROWS_PER_READ = 64
 
 
 def column_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
-    root = path / "dashboard_columns" if (path / "dashboard_columns").is_dir() else path
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _FILE.match(p.name)))
-    chosen = [(n, p) for n, p in found if n in steps]
-    if not chosen:
-        raise ProbeError(f"{root}: no rollout_<id>.parquet file in the chosen steps")
-    return chosen
+    return numbered_files(path, _FILE, steps, "rollout_<id>.parquet file", "dashboard_columns")
 
 
 def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:

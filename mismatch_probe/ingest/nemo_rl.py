@@ -41,19 +41,14 @@ from mismatch_probe.ingest.records import (
     int_array,
     iter_json_lines,
     masked_record,
+    numbered_files,
 )
 
 _STEP_FILE = re.compile(r"train_data_step(\d+)\.jsonl$")
 
 
 def step_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
-    found = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := _STEP_FILE.match(p.name)))
-    chosen = [(n, p) for n, p in found if n in steps]
-    if not chosen:
-        raise ProbeError(f"{path}: no train_data_step<N>.jsonl file in the chosen steps")
-    return chosen
+    return numbered_files(path, _STEP_FILE, steps, "train_data_step<N>.jsonl file")
 
 
 def _unwrap(value: Any) -> Any:

@@ -18,6 +18,7 @@ Sign convention downstream: ``r = train - rollout``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,26 @@ class IngestConfig:
     temperature: float = 1.0
     train_dtype: str = "float32"
     batch_tokens: int = 2048
+
+
+def numbered_files(
+    path: Path, pattern: re.Pattern[str], steps: StepRange, what: str, subdir: str | None = None
+) -> list[tuple[int, Path]]:
+    """``(step, file)`` for the files of ``path`` (of ``path/subdir`` where that folder exists)
+    whose name matches ``pattern`` (group 1: the step number) and whose step is in ``steps``,
+    steps ascending.
+
+    Raises:
+        ProbeError: ``path`` is not a folder, or no file of ``what`` is in the chosen steps.
+    """
+    if not path.is_dir():
+        raise ProbeError(f"{path}: no such directory")
+    root = path / subdir if subdir and (path / subdir).is_dir() else path
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name)))
+    chosen = [(n, p) for n, p in found if n in steps]
+    if not chosen:
+        raise ProbeError(f"{root}: no {what} in the chosen steps")
+    return chosen
 
 
 def iter_json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -39,7 +39,13 @@ import numpy as np
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
 from mismatch_probe.ingest.hook import to_numpy
-from mismatch_probe.ingest.records import SeqRecord, StepRange, as_bool_mask, check_shapes
+from mismatch_probe.ingest.records import (
+    SeqRecord,
+    StepRange,
+    as_bool_mask,
+    check_shapes,
+    numbered_files,
+)
 
 WHAT = "SkyRL TrainingInputBatch"
 _DUMP_FILE = re.compile(r"global_step_(\d+)_training_input\.pkl$")
@@ -49,14 +55,8 @@ _MODULES = ("skyrl.backends.skyrl_train.training_batch", "skyrl_train.training_b
 
 
 def dump_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
-    root = path / "dumped_data" if (path / "dumped_data").is_dir() else path
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _DUMP_FILE.match(p.name)))
-    chosen = [(n, p) for n, p in found if n in steps]
-    if not chosen:
-        raise ProbeError(f"{root}: no global_step_<N>_training_input.pkl dump in the chosen steps")
-    return chosen
+    what = "global_step_<N>_training_input.pkl dump"
+    return numbered_files(path, _DUMP_FILE, steps, what, "dumped_data")
 
 
 def _rebuild_tensor_batch(cls: Any, state: Any) -> pickles.CapturedDict:

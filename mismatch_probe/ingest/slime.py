@@ -37,6 +37,7 @@ from mismatch_probe.ingest.records import (
     field_of,
     float_array,
     int_array,
+    numbered_files,
 )
 
 FORMAT_VERSIONS = (2,)
@@ -44,14 +45,7 @@ _DUMP_FILE = re.compile(r"(\d+)\.pt$")
 
 
 def dump_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
-    root = path / "train_data" if (path / "train_data").is_dir() else path
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _DUMP_FILE.match(p.name)))
-    chosen = [(n, p) for n, p in found if n in steps]
-    if not chosen:
-        raise ProbeError(f"{root}: no <rollout_id>.pt train dump in the chosen steps")
-    return chosen
+    return numbered_files(path, _DUMP_FILE, steps, "<rollout_id>.pt train dump", "train_data")
 
 
 def load_pt(path: Path, trust_pickle: bool) -> Any:

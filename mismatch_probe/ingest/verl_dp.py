@@ -39,20 +39,20 @@ import numpy as np
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
 from mismatch_probe.ingest.hook import to_numpy
-from mismatch_probe.ingest.records import SeqRecord, StepRange, as_bool_mask, check_shapes
+from mismatch_probe.ingest.records import (
+    SeqRecord,
+    StepRange,
+    as_bool_mask,
+    check_shapes,
+    numbered_files,
+)
 
 WHAT = "verl DataProto"
 _DUMP_FILE = re.compile(r"step_(\d+)\.dp$")
 
 
 def dump_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
-    found = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := _DUMP_FILE.match(p.name)))
-    chosen = [(n, p) for n, p in found if n in steps]
-    if not chosen:
-        raise ProbeError(f"{path}: no step_<N>.dp dump in the chosen steps")
-    return chosen
+    return numbered_files(path, _DUMP_FILE, steps, "step_<N>.dp dump")
 
 
 def _consolidated(metadata: dict[str, Any], storage: Any) -> dict[str, Any]:
