@@ -49,13 +49,13 @@ def child(job):
         sys.stderr.flush()
         os._exit(code)
 
-exits, stdin_open = {}, True
+exits, stdin_open, pending = {}, True, b""
 while stdin_open or exits:
-    if stdin_open and select.select([sys.stdin], [], [], 0.05)[0]:
-        line = sys.stdin.readline()
-        if not line:
-            stdin_open = False
-        else:
+    if stdin_open and select.select([0], [], [], 0.05)[0]:
+        data = os.read(0, 1 << 16)  # unbuffered: no line may wait in a buffer select cannot see
+        stdin_open = bool(data)
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
             job = json.loads(line)
             pid = os.fork()
             if pid == 0:
