@@ -28,7 +28,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.hook import to_numpy
 
 StandIns = Mapping[tuple[str, str], Any]
 
@@ -209,3 +212,16 @@ def guarded(path: Path, what: str, fn: Callable[[], Any]) -> Any:
     except Exception as exc:  # a malformed pickle fails in any of pickle's or numpy's ways
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
         raise ProbeError(f"{path}: not a readable {what} pickle ({reason})") from None
+
+
+def batch_matrix(
+    batch: Mapping[str, Any], key: str, file: Path, dtype: Any, why: str = ""
+) -> np.ndarray:
+    """``batch[key]`` (a tensor or array of a framework's batch) as a ``[rows, tokens]`` numpy
+    array of ``dtype``; one line naming ``file`` (and ``why``) when it is missing or not 2-D."""
+    if batch.get(key) is None:
+        raise ProbeError(f"{file}: the batch has no {key!r}{why}")
+    value = to_numpy(batch[key], dtype)
+    if value.ndim != 2:
+        raise ProbeError(f"{file}: {key} has shape {value.shape}, expected [batch, tokens]")
+    return value

@@ -38,7 +38,6 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
-from mismatch_probe.ingest.hook import to_numpy
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -101,15 +100,6 @@ def load_dump(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, metadata if isinstance(metadata, dict) else {}
 
 
-def _array(tensors: dict[str, Any], key: str, file: Path, dtype: Any, why: str = "") -> np.ndarray:
-    if tensors.get(key) is None:
-        raise ProbeError(f"{file}: the batch has no {key!r}{why}")
-    value = to_numpy(tensors[key], dtype)
-    if value.ndim != 2:
-        raise ProbeError(f"{file}: {key} has shape {value.shape}, expected [batch, tokens]")
-    return value
-
-
 def _groups(metadata: dict[str, Any], rows: int) -> list[str | None]:
     """Each row's prompt key: ``uids`` when kept, else the prompt boundaries, else None."""
     uids = metadata.get("uids")
@@ -127,14 +117,14 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
     pickles.refuse_untrusted(path, "SkyRL .pkl dumps", trust_pickle)
     for step, file in dump_files(path, steps):
         tensors, metadata = load_dump(file)
-        rollout = _array(tensors, "rollout_logprobs", file, np.float64, _NO_ROLLOUT)
-        train = _array(tensors, "action_log_probs", file, np.float64, _NO_TRAIN)
-        loss_mask = _array(tensors, "loss_mask", file, np.float64)
-        response_mask = _array(tensors, "response_mask", file, np.float64)
+        rollout = pickles.batch_matrix(tensors, "rollout_logprobs", file, np.float64, _NO_ROLLOUT)
+        train = pickles.batch_matrix(tensors, "action_log_probs", file, np.float64, _NO_TRAIN)
+        loss_mask = pickles.batch_matrix(tensors, "loss_mask", file, np.float64)
+        response_mask = pickles.batch_matrix(tensors, "response_mask", file, np.float64)
         check_shapes(file, loss_mask=loss_mask, response_mask=response_mask,
                      rollout_logprobs=rollout, action_log_probs=train)  # fmt: skip
         width = rollout.shape[1]
-        sequences = _array(tensors, "sequences", file, np.int64)
+        sequences = pickles.batch_matrix(tensors, "sequences", file, np.int64)
         if sequences.shape[0] != rollout.shape[0] or sequences.shape[1] < width:
             raise ProbeError(f"{file}: sequences {list(sequences.shape)} do not hold the "
                              f"responses {list(rollout.shape)}")  # fmt: skip

@@ -38,7 +38,6 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
-from mismatch_probe.ingest.hook import to_numpy
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -119,12 +118,8 @@ def _numpy_serialized(items: dict[str, Any]) -> dict[str, Any]:
 
 
 def _numpy(batch: dict[str, Any], key: str, file: Path, dtype: Any) -> np.ndarray:
-    if key not in batch or batch[key] is None:
-        raise ProbeError(f"{file}: the batch has no {key!r} (keys: {', '.join(sorted(batch))})")
-    value = to_numpy(batch[key], dtype)
-    if value.ndim != 2:
-        raise ProbeError(f"{file}: {key} has shape {value.shape}, expected [batch, tokens]")
-    return value
+    keys = f" (keys: {', '.join(sorted(batch))})"
+    return pickles.batch_matrix(batch, key, file, dtype, keys)
 
 
 def _mask(batch: dict[str, Any], width: int, file: Path) -> tuple[np.ndarray, str]:
