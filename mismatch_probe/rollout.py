@@ -173,22 +173,24 @@ def engine(kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Iterato
     process state the engine changed (threads, affinity, NUMA policy, environment) is restored.
     """
     with engine_process.preserved(), scoped_env(engine_env(kwargs=kwargs) if env is None else env):
-        from vllm import LLM
+        with engine_process.importing():
+            from vllm import LLM  # imported before the heap is frozen: its modules are frozen too
 
         log = engine_process.current_log()
         offset = log.stat().st_size if log is not None and log.is_file() else 0
-        try:
-            llm = LLM(**kwargs)
-        except Exception as exc:  # vLLM raises many types for an engine that cannot start
-            interrupt.reraise_swallowed()
-            reason = _start_failure(exc, log, offset)
-            raise EngineStartError(f"vLLM could not start the engine: {reason}") from None
-        try:
-            yield llm
-        finally:
-            shutdown(llm)
-            del llm
-            gc.collect()  # once, the engine gone: what its reference cycles held is freed
+        with engine_process.frozen_heap():
+            try:
+                llm = LLM(**kwargs)
+            except Exception as exc:  # vLLM raises many types for an engine that cannot start
+                interrupt.reraise_swallowed()
+                reason = _start_failure(exc, log, offset)
+                raise EngineStartError(f"vLLM could not start the engine: {reason}") from None
+            try:
+                yield llm
+            finally:
+                shutdown(llm)
+                del llm
+                gc.collect()  # the engine gone: what its cycles held is freed (the rest frozen)
 
 
 def shutdown(llm: Any) -> None:

@@ -70,9 +70,10 @@ class Timer:
 def prepare(cfg: ScanConfig) -> Prepared:
     """Check the options the backend must support, resolve the model, load the tokenizer, read
     and encode the prompts (no engine yet)."""
-    from transformers import AutoConfig, AutoTokenizer
+    with engine_process.importing():
+        from transformers import AutoConfig, AutoTokenizer
 
-    engine_process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
+        engine_process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
     attribution.check(cfg)
     invariant = batch_invariant.check(cfg.batch_invariant)
     model_dir = models.resolve_model(cfg.model)
@@ -108,6 +109,7 @@ def _context_length(config: Any, tokenizer: Any) -> int:
     return int(min(tokenizer.model_max_length, 1 << 20))
 
 
+@engine_process.frozen_heap()  # no collection of the scan traverses what existed before it
 def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     """Run the whole pipeline and write the token store (``store.TOKENS_FILE``,
     ``SEQUENCES_FILE``), the metrics (``METRICS_FILE``, ``SETTINGS_FILE``), ``RUN_FILE`` and the

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import dataset, scan, store
+from mismatch_probe import dataset, engine_process, scan, store
 from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.records import RolloutRun, ScanResult
@@ -117,6 +117,7 @@ def _flat(options: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+@engine_process.frozen_heap()  # as a whole scan: collections skip what existed before it
 def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) -> dict[str, Any]:
     """Run one shard (rollout + rescoring of prompts ``bounds``) and write its parts.
 

@@ -318,11 +318,58 @@ def test_in_process_engine_gives_the_process_back(engines: Any) -> None:
     from mismatch_probe.engine_process import capture_state
 
     engines.close()
-    before = capture_state()
+    before, freeze = capture_state(), gc.freeze
     engines.get("float32", "processed")
     during = before.differences(capture_state())
+    frozen_during = gc.get_freeze_count()
     collect = gc.collect
     engines.close()
     assert gc.collect is collect  # put back after the shutdown
     assert "set_num_threads" in during and "env LD_PRELOAD" in during  # the engine changed them
     assert before.differences(capture_state()) == []
+    assert frozen_during > 100_000  # the heap of before the engine (torch, vLLM, transformers)
+    assert gc.get_freeze_count() == 0 and gc.freeze is freeze  # given back
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_frozen_heap_hides_the_old_heap_and_gives_it_back() -> None:
+    """In ``frozen_heap`` a full collection sees only what the body created (a cycle made
+    there is still freed), ``gc.freeze`` and ``gc.unfreeze`` are no-ops (vLLM's), ``importing``
+    freezes what its body built; on exit everything is unfrozen, nested scopes change nothing,
+    and a heap the caller froze stays frozen."""
+    import gc
+    import weakref
+
+    from mismatch_probe.engine_process import frozen_heap, importing
+
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        gc.unfreeze()  # as vLLM's shutdown does: nothing happens
+        assert gc.get_freeze_count() == frozen
+        cycle = _Cycle()
+        dead = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert dead() is None  # what the body created is still collected
+        with importing():
+            assert not gc.isenabled()
+            kept = [_Cycle() for _ in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + 1000
+        with frozen_heap():  # nested: nothing changes
+            pass
+        assert gc.get_freeze_count() >= frozen + 1000
+    assert gc.get_freeze_count() == 0 and len(kept) == 1000
+    gc.freeze()  # the caller's own freeze survives a scope
+    try:
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -9,6 +9,13 @@
   process state afterwards (``[]``: nothing).
 * ``engine_modes``: start and stop seconds of the default model's engine in process and as
   vLLM's engine-core and worker processes.
+* ``frozen_heap``: start and stop seconds of the same in-process engine, alternately with the
+  garbage collector's heap of before the engine frozen (``engine_process.frozen_heap``, what a
+  scan does) and without (vLLM's five full collections per start then traverse every object
+  torch, transformers and vLLM built).
+* ``import_floor``: the seconds a scan's imports take alone (torch, transformers, vLLM's
+  ``LLM`` and the CPU worker's modules, collection paused as in a scan); each scan reports the
+  share they would be of its wall time if nothing but them, generation and rescoring took any.
 
 Each measurement runs in a fresh spawned process, imports included, as a user's ``probe scan``.
 """
@@ -69,6 +76,72 @@ def _scan(kind: str) -> dict[str, Any]:
     }
 
 
+def _import_floor() -> dict[str, Any]:
+    """Runs in a spawned child: the imports a scan cannot do without, timed alone."""
+    import gc
+
+    start = time.perf_counter()
+    gc.disable()  # as engine_process.importing does in a scan
+    import torch  # noqa: F401
+
+    torch_s = time.perf_counter() - start
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    transformers_s = time.perf_counter() - start - torch_s
+    from mismatch_probe.engine_process import import_vllm_quietly
+
+    import_vllm_quietly()
+    from vllm import LLM  # noqa: F401
+    from vllm.model_executor.models import llama  # noqa: F401
+    from vllm.v1.worker import cpu_model_runner, cpu_worker  # noqa: F401
+
+    total = time.perf_counter() - start
+    gc.enable()
+    return {
+        "torch_s": torch_s,
+        "transformers_s": transformers_s,
+        "vllm_s": total - torch_s - transformers_s,
+        "total_s": total,
+    }
+
+
+def _frozen_heap_ab() -> dict[str, Any]:
+    """Runs in a spawned child: one in-process engine started and stopped ``REPEATS`` times
+    with the heap frozen and as many without, alternately, after a first start (imports)."""
+    from contextlib import nullcontext
+
+    from mismatch_probe import engine_process, models, rollout
+    from mismatch_probe.sampling import SamplingSpec
+    from mismatch_probe.settings import RolloutSetting
+
+    model_dir = models.prepare_default_model()
+    kwargs = rollout.engine_kwargs(model_dir, RolloutSetting("bfloat16"), SamplingSpec(), 1024, {})
+    with rollout.engine(kwargs):
+        pass
+    frozen_heap = engine_process.frozen_heap
+    times: dict[str, dict[str, list[float]]] = {}
+    for _ in range(REPEATS):
+        for name, scope in (("frozen", frozen_heap), ("not_frozen", nullcontext)):
+            engine_process.frozen_heap = scope  # type: ignore[assignment]
+            start = time.perf_counter()
+            with rollout.engine(kwargs):
+                started = time.perf_counter()
+            stopped = time.perf_counter()
+            engine_process.frozen_heap = frozen_heap
+            entry = times.setdefault(name, {"start_s": [], "stop_s": []})
+            entry["start_s"].append(started - start)
+            entry["stop_s"].append(stopped - started)
+    best = {name: {k: min(v) for k, v in entry.items()} for name, entry in times.items()}
+    return {
+        "repeats": REPEATS,
+        **best,
+        "start_ratio_not_frozen_over_frozen": best["not_frozen"]["start_s"]
+        / best["frozen"]["start_s"],
+        "stop_ratio_not_frozen_over_frozen": best["not_frozen"]["stop_s"]
+        / best["frozen"]["stop_s"],
+    }
+
+
 def _requests(vocab: int) -> list[Any]:
     import numpy as np
 
@@ -126,7 +199,10 @@ def _rescoring_around_engine() -> dict[str, Any]:
 
 
 def _engine_modes() -> dict[str, Any]:
-    """Runs in a spawned child: start/stop seconds of each engine mode, default model."""
+    """Runs in a spawned child: start/stop seconds of each engine mode, default model; then
+    the resident memory and Python objects left after each of several in-process engines."""
+    import gc
+
     from mismatch_probe import models, rollout
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.settings import RolloutSetting
@@ -146,12 +222,15 @@ def _engine_modes() -> dict[str, Any]:
         stopped = time.perf_counter()
         out[mode] = {"start_s": started - start, "stop_s": stopped - started}
     out["start_ratio"] = out[rollout.MULTIPROCESS]["start_s"] / out[rollout.IN_PROCESS]["start_s"]
-    rss = []  # memory after each of several in-process engines: no growth, no leak
+    rss, objects = [], []  # after each of several in-process engines: what stays behind
     for _ in range(LEAK_ROUNDS):
         with rollout.engine(kwargs):
             pass
         rss.append(_rss_mb())
+        objects.append(len(gc.get_objects()))
     out["in_process_rss_mb_after_each_stop"] = rss
+    out["in_process_rss_mb_growth_per_engine"] = (rss[-1] - rss[0]) / (LEAK_ROUNDS - 1)
+    out["in_process_python_objects_after_each_stop"] = objects
     return out
 
 
@@ -182,9 +261,15 @@ def _in_child(fn: Any, *args: Any) -> dict[str, Any]:
 
 
 def bench_lifecycle() -> dict[str, Any]:
+    scans = {"single": _in_child(_scan, "single"), "matrix": _in_child(_scan, "matrix")}
+    floor = _in_child(_import_floor)
+    for scan in scans.values():  # the share if the imports were the only overhead
+        useful = scan["phases_s"].get("generation", 0.0) + scan["phases_s"].get("rescoring", 0.0)
+        scan["import_floor_share"] = floor["total_s"] / (floor["total_s"] + useful)
     return {
-        "single": _in_child(_scan, "single"),
-        "matrix": _in_child(_scan, "matrix"),
+        **scans,
+        "import_floor": floor,
+        "frozen_heap": _in_child(_frozen_heap_ab),
         "rescoring_around_engine": _in_child(_rescoring_around_engine),
         "engine_modes": _in_child(_engine_modes),
     }
