@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -54,15 +53,16 @@ def prepare_default_model(force: bool = False) -> Path:
     out = default_model_dir()
     if (out / "config.json").is_file() and not force:
         return out
-    return convert_gguf(default_gguf_path(), out)
+    return convert_gguf(default_gguf_path(), out, replace=force)
 
 
-def convert_gguf(gguf: Path, out: Path) -> Path:
+def convert_gguf(gguf: Path, out: Path, replace: bool = False) -> Path:
     """Dequantise a GGUF checkpoint into a float32 transformers checkpoint at ``out``.
 
     The weights are copied into a fresh model built from the config without its quantization
     config, so the saved checkpoint is a plain fp32 one that vLLM and transformers both load.
-    Written into a temporary sibling directory and renamed when complete.
+    Written with ``store.atomic_dir``: a process converting at the same time keeps its own
+    directory, and the first complete one stays at ``out`` (``replace``: the new one does).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,12 +83,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with store.atomic_dir(out, replace=replace) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return out
 
 

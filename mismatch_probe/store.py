@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,6 +156,39 @@ def atomic(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_dir(path: Path, replace: bool = False) -> Iterator[Path]:
+    """``atomic`` for a directory (a converted model): yield a fresh hidden directory beside
+    ``path`` (its own for each caller) to fill; when the block completes it becomes ``path``,
+    otherwise it is removed. When another process published ``path`` first, its directory is
+    kept and this one dropped, unless ``replace``. A reader never sees a half-written
+    directory under ``path``, and two processes writing at once never write into one."""
+    tmp = _fresh_dir(path, "partial")
+    try:
+        yield tmp
+        if replace and path.exists():
+            old = _fresh_dir(path, "old")
+            os.rename(path, old / path.name)  # out of the way in one step, removed below
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                tmp.rename(path)
+            except OSError:
+                if not path.is_dir():
+                    raise  # not another process's directory: a real failure
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fresh_dir(path: Path, kind: str) -> Path:
+    """A new hidden directory beside ``path``, this caller's alone (mode from the umask, as a
+    directory made by hand: a shared cache stays readable)."""
+    fresh = path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+    fresh.mkdir()
+    return fresh
 
 
 def writable_dir(path: Path, what: str) -> Path:

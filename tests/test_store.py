@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -108,3 +110,35 @@ def test_missing_columns_are_named(tmp_path: Path) -> None:
     pq.write_table(pa.table({"seq_id": [1], "position": [0]}), path)
     with pytest.raises(ProbeError, match="rollout_logprob, train_logprob"):
         store.open_parquet(path)
+
+
+def _publish(path: Path, text: str, barrier: Any, replace: bool = False) -> None:
+    with store.atomic_dir(path, replace=replace) as tmp:
+        (tmp / "config.json").write_text(text)
+        barrier.wait()  # both directories are written before either is published
+
+
+def test_atomic_dir_two_writers_at_once(tmp_path: Path) -> None:
+    """Two processes converting the same model at once (threads here) each fill their own
+    hidden directory; the first complete one is published, the second is dropped, nothing
+    hidden is left behind; ``replace`` publishes the new one."""
+    out = tmp_path / "model"
+    barrier = threading.Barrier(2)
+    writers = [threading.Thread(target=_publish, args=(out, text, barrier)) for text in ("a", "b")]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert (out / "config.json").read_text() in ("a", "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    _publish(out, "c", threading.Barrier(1), replace=True)
+    assert (out / "config.json").read_text() == "c"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_atomic_dir_failed_write_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    with pytest.raises(RuntimeError), store.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("half")
+        raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []
