@@ -146,6 +146,20 @@ def collect_later() -> Iterator[None]:
         gc.collect = collect
 
 
+_GC_FREEZE = gc.freeze  # the collector's own, whatever a scope has put in the module's place
+
+
+@dataclass
+class _Scope:
+    """The ``frozen_heap`` scope in force (one per process at a time: shards run in turn)."""
+
+    active: bool = False
+    freezes: bool = False  # the heap was not frozen on entry: the scope freezes and unfreezes
+
+
+_SCOPE = _Scope()
+
+
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Freeze the garbage collector's heap for the body (a scan, or an engine's life); unfreeze
@@ -156,45 +170,49 @@ def frozen_heap() -> Iterator[None]:
     ``gc.freeze`` and ``gc.unfreeze`` are no-ops meanwhile: its freeze is a serving-time
     optimisation that would keep the engine's objects (and the tensors their cycles hold) from
     ever being collected here, its unfreeze at shutdown would hand the whole heap back early.
-    On exit the heap is unfrozen, so garbage frozen meanwhile is collected later as usual; a
-    heap that was frozen on entry (by the caller) stays frozen; a nested use changes nothing.
+    On exit the heap is unfrozen, so garbage frozen meanwhile is collected later as usual. A
+    heap the caller froze before is the caller's: it is neither frozen further nor unfrozen (only
+    vLLM's calls are silenced). A nested use changes nothing. Process-wide: one scope at a time.
     """
-    freeze, unfreeze = gc.freeze, gc.unfreeze
-    if freeze is _no_op:  # nested
+    if _SCOPE.active:
         yield
         return
-    frozen_before = gc.get_freeze_count() > 0
-    freeze()
-    gc.freeze = gc.unfreeze = _no_op
+    saved = gc.freeze, gc.unfreeze
+    _SCOPE.freezes = gc.get_freeze_count() == 0
     try:
+        _SCOPE.active = True
+        gc.freeze = gc.unfreeze = _no_op
+        if _SCOPE.freezes:
+            _GC_FREEZE()
         yield
     finally:
-        gc.freeze, gc.unfreeze = freeze, unfreeze
-        if not frozen_before:
-            unfreeze()
+        gc.freeze, gc.unfreeze = saved
+        if _SCOPE.freezes:
+            gc.unfreeze()
+        _SCOPE.active = _SCOPE.freezes = False
 
 
 @contextmanager
 def importing() -> Iterator[None]:
-    """Imports (and what else lives as long as the process) in the body: no automatic
-    collection while they build it; inside ``frozen_heap`` it is frozen too afterwards, so no
-    later collection of the scope traverses it. Nothing is collected or freed early."""
+    """Imports in the body: no automatic collection while they build modules that live as long
+    as the process. Inside a ``frozen_heap`` that froze the heap, and when the body imported
+    anything, the heap is frozen again afterwards, so no later collection of the scope traverses
+    the new modules (nor the garbage of the imports not yet collected: a few MB, freed after the
+    scope like the rest)."""
     enabled = gc.isenabled()
+    modules = len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        if gc.freeze is _no_op:
-            _FREEZE()
+        if _SCOPE.freezes and len(sys.modules) > modules:
+            _GC_FREEZE()
         if enabled:
             gc.enable()
 
 
 def _no_op() -> None:
     pass
-
-
-_FREEZE = gc.freeze
 
 
 # --- output capture ---------------------------------------------------------------------------

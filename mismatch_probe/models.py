@@ -51,9 +51,14 @@ def default_gguf_path() -> Path:
 def prepare_default_model(force: bool = False) -> Path:
     """Convert the embedded SmolLM2 GGUF once into an fp32 safetensors checkpoint in the cache."""
     out = default_model_dir()
-    if (out / "config.json").is_file() and not force:
+    if is_converted(out) and not force:
         return out
     return convert_gguf(default_gguf_path(), out, replace=force)
+
+
+def is_converted(out: Path) -> bool:
+    """A conversion was published at ``out`` (``store.atomic_dir`` publishes only whole ones)."""
+    return (out / "config.json").is_file()
 
 
 def convert_gguf(gguf: Path, out: Path, replace: bool = False) -> Path:
@@ -61,8 +66,9 @@ def convert_gguf(gguf: Path, out: Path, replace: bool = False) -> Path:
 
     The weights are copied into a fresh model built from the config without its quantization
     config, so the saved checkpoint is a plain fp32 one that vLLM and transformers both load.
-    Written with ``store.atomic_dir``: a process converting at the same time keeps its own
-    directory, and the first complete one stays at ``out`` (``replace``: the new one does).
+    Written with ``store.atomic_dir``: a process converting at the same time writes its own
+    directory, the first complete one stays at ``out`` (``replace``: the new one does) and an
+    incomplete ``out`` (a damaged cache) is replaced.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,7 +89,7 @@ def convert_gguf(gguf: Path, out: Path, replace: bool = False) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    with store.atomic_dir(out, replace=replace) as tmp:
+    with store.atomic_dir(out, is_converted, replace=replace) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     return out
@@ -101,7 +107,7 @@ def resolve_model(path: Path | None) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         out = cache_dir() / "models" / f"{path.stem}-{digest}"
-        return out if (out / "config.json").is_file() else convert_gguf(path, out)
+        return out if is_converted(out) else convert_gguf(path, out)
     check_causal_lm(path)
     return path
 

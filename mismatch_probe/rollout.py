@@ -174,7 +174,7 @@ def engine(kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Iterato
     """
     with engine_process.preserved(), scoped_env(engine_env(kwargs=kwargs) if env is None else env):
         with engine_process.importing():
-            from vllm import LLM  # imported before the heap is frozen: its modules are frozen too
+            from vllm import LLM  # its modules frozen with the heap (below, or by the scan's)
 
         log = engine_process.current_log()
         offset = log.stat().st_size if log is not None and log.is_file() else 0

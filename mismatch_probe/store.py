@@ -26,8 +26,9 @@ import math
 import os
 import secrets
 import shutil
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -159,36 +160,71 @@ def atomic(path: Path) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_dir(path: Path, replace: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    path: Path, complete: Callable[[Path], bool], replace: bool = False
+) -> Iterator[Path]:
     """``atomic`` for a directory (a converted model): yield a fresh hidden directory beside
     ``path`` (its own for each caller) to fill; when the block completes it becomes ``path``,
-    otherwise it is removed. When another process published ``path`` first, its directory is
-    kept and this one dropped, unless ``replace``. A reader never sees a half-written
-    directory under ``path``, and two processes writing at once never write into one."""
+    otherwise it is removed. A ``complete`` directory another process published first is kept
+    and this one dropped, unless ``replace``; an incomplete one (a damaged cache) is replaced.
+    A reader never sees a half-written directory under ``path``, two processes writing at once
+    never write into one, and what a killed writer of this host left beside ``path`` is removed
+    on the next write."""
+    _remove_orphans(path)
     tmp = _fresh_dir(path, "partial")
     try:
         yield tmp
-        if replace and path.exists():
-            old = _fresh_dir(path, "old")
-            os.rename(path, old / path.name)  # out of the way in one step, removed below
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                tmp.rename(path)
-            except OSError:
-                if not path.is_dir():
-                    raise  # not another process's directory: a real failure
+        if replace or not complete(path):
+            _publish_dir(tmp, path, complete)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _publish_dir(tmp: Path, path: Path, complete: Callable[[Path], bool]) -> None:
+    """Rename ``tmp`` to ``path``; what was at ``path`` is moved aside first (one rename) and
+    removed after. A complete directory published meanwhile by another process wins."""
+    aside = _fresh_dir(path, "old")
+    try:
+        with suppress(FileNotFoundError):
+            os.rename(path, aside / path.name)
+        try:
+            tmp.rename(path)
+        except OSError:
+            if not complete(path):
+                raise  # not another process's finished directory: a real failure
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def _fresh_dir(path: Path, kind: str) -> Path:
-    """A new hidden directory beside ``path``, this caller's alone (mode from the umask, as a
-    directory made by hand: a shared cache stays readable)."""
-    fresh = path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+    """A new hidden directory beside ``path``, this caller's alone, named after this host and
+    process (mode from the umask, as a directory made by hand: a shared cache stays readable)."""
+    fresh = path.with_name(f".{path.name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
     fresh.mkdir()
     return fresh
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove the hidden directories beside ``path`` whose writer, a process of this host, is
+    gone (killed mid-write: a whole model's weights each). Other hosts' are left alone."""
+    for kind in ("partial", "old"):
+        for orphan in path.parent.glob(f".{path.name}.{kind}-{_HOST}-*-*"):
+            pid = orphan.name.rsplit("-", 2)[-2]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(orphan, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+_HOST = socket.gethostname().replace("-", "_") or "host"
 
 
 def writable_dir(path: Path, what: str) -> Path:

@@ -336,11 +336,19 @@ class _Cycle:
         self.me = self
 
 
+def _import_afresh(name: str) -> None:
+    """Import the standard library module ``name`` as if for the first time."""
+    import importlib
+
+    sys.modules.pop(name, None)
+    importlib.import_module(name)
+
+
 def test_frozen_heap_hides_the_old_heap_and_gives_it_back() -> None:
     """In ``frozen_heap`` a full collection sees only what the body created (a cycle made
     there is still freed), ``gc.freeze`` and ``gc.unfreeze`` are no-ops (vLLM's), ``importing``
-    freezes what its body built; on exit everything is unfrozen, nested scopes change nothing,
-    and a heap the caller froze stays frozen."""
+    freezes the heap again when its body imported something; on exit everything is unfrozen,
+    nested scopes change nothing, and a heap the caller froze stays as the caller left it."""
     import gc
     import weakref
 
@@ -361,15 +369,39 @@ def test_frozen_heap_hides_the_old_heap_and_gives_it_back() -> None:
         with importing():
             assert not gc.isenabled()
             kept = [_Cycle() for _ in range(1000)]
+            _import_afresh("tabnanny")
         assert gc.isenabled() and gc.get_freeze_count() >= frozen + 1000
         with frozen_heap():  # nested: nothing changes
             pass
+        count = gc.get_freeze_count()
+        with importing():  # nothing imported (an engine after the first): nothing frozen
+            garbage = [_Cycle() for _ in range(10)]
+        assert gc.get_freeze_count() == count and len(garbage) == 10
         assert gc.get_freeze_count() >= frozen + 1000
     assert gc.get_freeze_count() == 0 and len(kept) == 1000
-    gc.freeze()  # the caller's own freeze survives a scope
+    gc.freeze()  # a heap the caller froze is the caller's: not frozen further, not unfrozen
     try:
+        theirs = gc.get_freeze_count()
         with frozen_heap():
-            pass
-        assert gc.get_freeze_count() > 0
+            gc.unfreeze()  # vLLM's: silenced
+            with importing():
+                _import_afresh("pyclbr")
+            assert gc.get_freeze_count() == theirs
+        assert gc.get_freeze_count() == theirs
     finally:
         gc.unfreeze()
+
+
+def test_frozen_heap_and_importing_give_the_collector_back_on_errors() -> None:
+    import gc
+
+    from mismatch_probe.engine_process import frozen_heap, importing
+
+    freeze, unfreeze = gc.freeze, gc.unfreeze
+    with pytest.raises(KeyError), frozen_heap(), importing():
+        raise KeyError("interrupted")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert (gc.freeze, gc.unfreeze) == (freeze, unfreeze)
+    with frozen_heap():  # and the next scope works as the first did
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

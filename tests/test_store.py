@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -112,16 +113,20 @@ def test_missing_columns_are_named(tmp_path: Path) -> None:
         store.open_parquet(path)
 
 
-def _publish(path: Path, text: str, barrier: Any, replace: bool = False) -> None:
-    with store.atomic_dir(path, replace=replace) as tmp:
+def _complete(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def _publish(path: Path, text: str, barrier: Any = None, replace: bool = False) -> None:
+    with store.atomic_dir(path, _complete, replace=replace) as tmp:
         (tmp / "config.json").write_text(text)
-        barrier.wait()  # both directories are written before either is published
+        if barrier is not None:
+            barrier.wait()  # both directories are written before either is published
 
 
 def test_atomic_dir_two_writers_at_once(tmp_path: Path) -> None:
     """Two processes converting the same model at once (threads here) each fill their own
-    hidden directory; the first complete one is published, the second is dropped, nothing
-    hidden is left behind; ``replace`` publishes the new one."""
+    hidden directory; one is published whole, the other dropped, nothing hidden is left."""
     out = tmp_path / "model"
     barrier = threading.Barrier(2)
     writers = [threading.Thread(target=_publish, args=(out, text, barrier)) for text in ("a", "b")]
@@ -131,14 +136,51 @@ def test_atomic_dir_two_writers_at_once(tmp_path: Path) -> None:
         writer.join()
     assert (out / "config.json").read_text() in ("a", "b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
-    _publish(out, "c", threading.Barrier(1), replace=True)
+
+
+def test_atomic_dir_first_complete_stays_unless_replaced(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    _publish(out, "a")
+    _publish(out, "b")
+    assert (out / "config.json").read_text() == "a"
+    _publish(out, "c", replace=True)
     assert (out / "config.json").read_text() == "c"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_atomic_dir_replaces_a_damaged_directory(tmp_path: Path) -> None:
+    """A directory without what makes it complete (an interrupted removal, a damaged cache) is
+    replaced by the next conversion, not kept for good."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "junk").write_text("x")
+    _publish(out, "a")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_atomic_dir_removes_what_a_killed_writer_left(tmp_path: Path) -> None:
+    """A writer of this host killed mid-write leaves its hidden directory; the next write removes
+    it. One of a live process, or of another host, stays."""
+    import subprocess
+
+    out = tmp_path / "model"
+    gone = subprocess.Popen(["true"])  # a process of this host that has exited
+    gone.wait()
+    host = store._HOST
+    orphan = tmp_path / f".model.partial-{host}-{gone.pid}-0000abcd"
+    live = tmp_path / f".model.partial-{host}-{os.getpid()}-0000abcd"
+    other = tmp_path / f".model.partial-elsewhere-{gone.pid}-0000abcd"
+    for directory in (orphan, live, other):
+        directory.mkdir()
+    _publish(out, "a")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["model", live.name, other.name])
+
+
 def test_atomic_dir_failed_write_leaves_nothing(tmp_path: Path) -> None:
     out = tmp_path / "model"
-    with pytest.raises(RuntimeError), store.atomic_dir(out) as tmp:
+    with pytest.raises(RuntimeError), store.atomic_dir(out, _complete) as tmp:
         (tmp / "config.json").write_text("half")
         raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []

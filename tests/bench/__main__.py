@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable
+from contextlib import suppress
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,26 @@ def _sharded_metrics() -> dict[str, Any]:
     return bench_sharded_metrics()
 
 
+# The CPU features that decide the speed of bf16 generation and rescoring.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def _machine() -> dict[str, Any]:
+    """The CPU (model name, core count, matrix-unit flags) and Python of this run."""
+    info = {}
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    flags = set(info.get("flags", "").split())
+    return {
+        "processor": info.get("model name") or platform.processor(),
+        "cores": os.cpu_count(),
+        "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+        "python": platform.python_version(),
+    }
+
+
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "rescoring_lengths": _rescoring_lengths,
@@ -101,7 +123,7 @@ def main(names: list[str]) -> None:
         result = {
             "bench": name,
             "date": datetime.now().isoformat(timespec="seconds"),
-            "machine": {"processor": platform.processor(), "python": platform.python_version()},
+            "machine": _machine(),
             "results": BENCHES[name](),
         }
         path = OUT_DIR / f"{name}.json"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def _import_floor() -> dict[str, Any]:
     """Runs in a spawned child: the imports a scan cannot do without, timed alone."""
     import gc
 
+    modules = len(sys.modules)
     start = time.perf_counter()
     gc.disable()  # as engine_process.importing does in a scan
     import torch  # noqa: F401
@@ -102,6 +104,7 @@ def _import_floor() -> dict[str, Any]:
         "transformers_s": transformers_s,
         "vllm_s": total - torch_s - transformers_s,
         "total_s": total,
+        "modules": len(sys.modules) - modules,
     }
 
 
