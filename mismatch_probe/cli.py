@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.text import Text
 
 from mismatch_probe import interrupt
-from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError, printable
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
@@ -72,6 +71,7 @@ from mismatch_probe.options import (
     VllmArgOpt,
     metric_options,
 )
+from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import ON_OFF
 
@@ -125,7 +125,7 @@ def main() -> None:
     """Console-script entry point: run the app, turning ``ProbeError`` (and any ``OSError``)
     into one line and exit code 2, and an interrupt (SIGINT, SIGTERM) into one line and exit
     code 130 or 143. No process the command started outlives a failure or an interrupt."""
-    from mismatch_probe.engine_process import descendants
+    from mismatch_probe.engine.process import descendants
 
     before = set(descendants())
     try:
@@ -181,7 +181,7 @@ def _bare_ray(args: list[str]) -> list[str]:
 def _stop_engines(before: set[int]) -> None:
     """No engine process outlives a command that failed or was interrupted: what the command
     started and is still running is stopped (processes that were there before are left)."""
-    from mismatch_probe.engine_process import stop_children
+    from mismatch_probe.engine.process import stop_children
 
     stop_children(exclude=before)
 
@@ -319,13 +319,13 @@ def scan(
     command line cannot disagree. ``--logprobs-mode`` unset means the library's default mode, or
     raw with ``--attribute`` (which needs raw log-probs at every rung).
     """
-    from mismatch_probe.batch_invariant import split_args
+    from mismatch_probe.engine.batch_invariant import split_args
+    from mismatch_probe.engine.rollout import parse_engine_args
+    from mismatch_probe.pipeline.scan import run_scan
+    from mismatch_probe.pipeline.sharding import run_sharded
     from mismatch_probe.report.summary import render_summary
     from mismatch_probe.report.terminal import render_run
-    from mismatch_probe.rollout import parse_engine_args
-    from mismatch_probe.scan import run_scan
     from mismatch_probe.settings import parse_on_off, split_list
-    from mismatch_probe.sharding import run_sharded
 
     if logprobs_mode is None:
         logprobs_mode = "raw" if attribute else SCAN.sampling.logprobs_mode
@@ -421,7 +421,7 @@ def models_tiny(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
 ) -> None:
     """Build a tiny random-weight checkpoint (for tests and trying the tool)."""
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     print(build_tiny_model(out, arch=arch, seed=seed))
 

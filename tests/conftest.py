@@ -66,7 +66,7 @@ def encoded_prompts(tokenizer: Any, max_tokens: int = 64) -> list[Any]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
 
@@ -88,7 +88,7 @@ class EnginePool:
         self.llm: Any = None
 
     def get(self, dtype: str, logprobs_mode: str) -> Any:
-        from mismatch_probe import rollout
+        from mismatch_probe.engine import rollout
         from mismatch_probe.sampling import SamplingSpec
         from mismatch_probe.settings import RolloutSetting
 

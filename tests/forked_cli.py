@@ -26,7 +26,7 @@ from pathlib import Path
 FORKER = r"""
 import json, os, select, sys
 from mismatch_probe import cli
-from mismatch_probe.engine_process import import_vllm_quietly
+from mismatch_probe.engine.process import import_vllm_quietly
 import_vllm_quietly()
 import transformers, vllm.entrypoints.llm  # noqa: F401  (what a scan imports anyway)
 

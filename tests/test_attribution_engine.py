@@ -30,12 +30,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from mismatch_probe import attribution, rescore, rollout, scan
-from mismatch_probe.config import ScanConfig
+from mismatch_probe.engine import rollout
 from mismatch_probe.metrics.attribution import MISMATCH_LINKS, compute_attribution, link_ratios
+from mismatch_probe.pipeline import attribution, scan
+from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.prompts import Prompt, encode_prompts
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import RolloutSetting, Setting
+from mismatch_probe.training import rescore
 
 from .conftest import TINY_CONTEXT
 
@@ -200,7 +202,7 @@ def mixed_checkpoint(base: Path, other: Path, alpha: float, out: Path) -> Path:
 def test_staleness_grows_with_the_weight_change(
     fp32: Run, tiny_model: Path, tiny_tokenizer: Any, tmp_path: Path
 ) -> None:
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "seed1", seed=1)
     stale_k3 = []

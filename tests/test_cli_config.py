@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from mismatch_probe import cli, scan, sharding
-from mismatch_probe.config import ScanConfig
+from mismatch_probe import cli
 from mismatch_probe.metrics import MetricsConfig
 from mismatch_probe.options import METRIC_OPTIONS
+from mismatch_probe.pipeline import scan, sharding
+from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.sampling import SamplingSpec
 
 

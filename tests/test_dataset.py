@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from mismatch_probe import dataset, store
+from mismatch_probe import store
 from mismatch_probe.metrics import compute_metrics
+from mismatch_probe.store import dataset
 from tests.cli_runner import run_probe as cli_run
 
 SETTINGS = ("rollout=bf16 | train=fp32", "rollout=fp16 | train=fp32")

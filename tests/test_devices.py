@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mismatch_probe import devices, rescore
 from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import devices, rescore
 
 GB = 1 << 30
 

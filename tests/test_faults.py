@@ -111,8 +111,8 @@ def test_scan_out_on_a_read_only_filesystem(tiny_model: Path, tmp_path: Path) ->
 
 
 def test_out_holding_a_run_is_kept_unless_force(tmp_path: Path) -> None:
-    from mismatch_probe.config import ScanConfig
-    from mismatch_probe.scan import check_out
+    from mismatch_probe.pipeline.config import ScanConfig
+    from mismatch_probe.pipeline.scan import check_out
 
     old = uniform_run(tmp_path / "old", 0.01, [3])
     before = (old / store.TOKENS_FILE).read_bytes()
@@ -551,7 +551,7 @@ def test_non_finite_throughput_is_left_out(tmp_path: Path) -> None:
 
 
 def test_run_json_stores_resolved_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mismatch_probe.config import ScanConfig
+    from mismatch_probe.pipeline.config import ScanConfig
 
     monkeypatch.chdir(tmp_path)
     config = ScanConfig(prompts=Path("p.jsonl"), out=Path("out"), model=Path("m")).to_dict()
@@ -562,9 +562,9 @@ def test_run_json_stores_resolved_paths(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_reserved_engine_args_cover_what_probe_sets() -> None:
     """Every engine argument probe sets from its own options is refused in --vllm-arg."""
-    from mismatch_probe import rollout
-    from mismatch_probe.engine_args import RESERVED
-    from mismatch_probe.routing.capture_engine import _ENGINE, NATIVE
+    from mismatch_probe.engine import rollout
+    from mismatch_probe.engine.args import RESERVED
+    from mismatch_probe.engine.routing import _ENGINE, NATIVE
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.settings import RolloutSetting
 
@@ -581,13 +581,13 @@ def test_reserved_engine_args_cover_what_probe_sets() -> None:
 
 
 def test_safetensors_check_accepts_a_good_file(tiny_model: Path) -> None:
-    from mismatch_probe.checkpoint import check_weights
+    from mismatch_probe.models.checkpoint import check_weights
 
     check_weights(tiny_model)  # no error
 
 
 def test_safetensors_check_finds_trailing_bytes(tiny_model: Path, tmp_path: Path) -> None:
-    from mismatch_probe.checkpoint import check_safetensors
+    from mismatch_probe.models.checkpoint import check_safetensors
 
     path = tmp_path / "model.safetensors"
     path.write_bytes((tiny_model / "model.safetensors").read_bytes() + b"\0" * 16)

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mismatch_probe import rescore, rollout
+from mismatch_probe.engine import rollout
 from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import rescore
 
 from .conftest import encoded_prompts
 

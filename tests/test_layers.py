@@ -1,6 +1,6 @@
 """The architecture, checked: import arrows run one way, and presentation lives in ``report/``.
 
-cli -> scan -> (rollout, rescore, routing, metrics, report) -> store. Every module has a rank;
+cli -> pipeline -> (engine, training, routing, metrics, report) -> store. Every module has a rank;
 a module imports only modules of a lower rank (or of its own package). Type-only imports count:
 a cycle for the type checker is still a cycle for the reader.
 """
@@ -16,21 +16,22 @@ PACKAGE = Path(mismatch_probe.__file__).parent
 
 # Rank of each top-level module or package of mismatch_probe, top of the pipeline first.
 RANKS = {
-    "cli": 10, "options": 8,  # the thin layer: options declared once
-    "sharding": 9,  # a scan split into shards (in this process or as Ray tasks)
-    "scan": 7, "ingest": 7,  # the pipelines: our rollouts, or a framework's logs
-    "runinfo": 6, "attribution": 6, "raycluster": 6,  # run.json, --attribute rungs, Ray tasks
-    "records": 5, "config": 5,  # the records passed between stages, the scan's config
-    "report": 4, "tables": 4,  # stages: report renders, tables shapes the store's rows
-    "routing": 3,
-    "rollout": 2, "rescore": 2, "metrics": 2, "engine_args": 2, "batch_invariant": 2,
-    "sampling": 1, "settings": 1, "prompts": 1, "models": 1, "tiny": 1, "progress": 1,
-    "devices": 1, "engine_process": 1, "interrupt": 1,  # device maps; an engine's process
-    "checkpoint": 0,
+    "cli": 10, "options": 9,  # the thin layer: options declared once
+    "ingest": 8,  # a framework's logs (reuses the pipeline's config, tables and run metadata)
+    "pipeline": 7,  # the orchestration: scan stages, records, run.json, sharding, Ray, attribution
+    "report": 5,  # the only stage that renders
+    "engine": 4, "training": 4,  # the two sides of the mismatch: vLLM, transformers
+    "routing": 3,  # MoE routes: shapes, replay, their store and metrics
+    "metrics": 2,
+    "models": 1, "sampling": 1, "settings": 1, "prompts": 1, "progress": 1, "interrupt": 1,
     "store": 0,  # the contract between stages
-    "dataset": -1,  # a sharded store's parts
     "errors": -2,
 }  # fmt: skip
+# The two sides never import each other, nor the other side's library.
+SIDES = {
+    "engine": ("transformers", "mismatch_probe.training"),
+    "training": ("vllm", "mismatch_probe.engine"),
+}
 # Imports that render: only the reports stage may make them.
 RENDERING = ("rich.table", "rich.columns", "matplotlib")
 
@@ -91,3 +92,14 @@ def test_the_package_holds_no_test_oracle_or_benchmark() -> None:
     names = {p.stem for p in PACKAGE.rglob("*.py")}
     assert not names & {"reference", "reference_diag", "naive_torch"}
     assert not (PACKAGE / "bench").exists()
+
+
+def test_the_engine_and_training_sides_stay_apart() -> None:
+    crossings = [
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in _modules()
+        if _unit(path) in SIDES
+        for name in _imports(path)
+        if name.startswith(SIDES[_unit(path)])
+    ]
+    assert crossings == []

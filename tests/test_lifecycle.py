@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from mismatch_probe import store
-from mismatch_probe.engine_process import descendants, root_cause
+from mismatch_probe.engine.process import descendants, root_cause
 from tests.forked_cli import Forker
 
 pytestmark = pytest.mark.engine
@@ -315,7 +315,7 @@ def test_in_process_engine_gives_the_process_back(engines: Any) -> None:
 
     import vllm  # noqa: F401  (its import sets variables of its own, once: not the engine's)
 
-    from mismatch_probe.engine_process import capture_state
+    from mismatch_probe.engine.process import capture_state
 
     engines.close()
     before, freeze = capture_state(), gc.freeze
@@ -352,7 +352,7 @@ def test_frozen_heap_hides_the_old_heap_and_gives_it_back() -> None:
     import gc
     import weakref
 
-    from mismatch_probe.engine_process import frozen_heap, importing
+    from mismatch_probe.engine.process import frozen_heap, importing
 
     gc.collect()
     assert gc.get_freeze_count() == 0
@@ -395,7 +395,7 @@ def test_frozen_heap_hides_the_old_heap_and_gives_it_back() -> None:
 def test_frozen_heap_and_importing_give_the_collector_back_on_errors() -> None:
     import gc
 
-    from mismatch_probe.engine_process import frozen_heap, importing
+    from mismatch_probe.engine.process import frozen_heap, importing
 
     freeze, unfreeze = gc.freeze, gc.unfreeze
     with pytest.raises(KeyError), frozen_heap(), importing():

@@ -13,10 +13,10 @@ import pytest
 from rich.console import Console
 
 from mismatch_probe import store
-from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.scan import run_scan
 from mismatch_probe.sampling import SamplingSpec
-from mismatch_probe.scan import run_scan
 from mismatch_probe.settings import RolloutSetting, Setting
 
 pytestmark = pytest.mark.engine

@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mismatch_probe import rescore
-from mismatch_probe.sampling import SamplingSpec, token_logprobs
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import rescore
+from mismatch_probe.training.logits import token_logprobs
 from tests.tolerances import ulp_bound
 
 CONTEXT = 32768
@@ -74,7 +75,7 @@ def _decoder_outputs(model: Any, record: list[torch.Tensor]) -> Any:
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiny32k") / "llama", context=CONTEXT)
     model = rescore.load_model(path, "float32")

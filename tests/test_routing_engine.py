@@ -20,18 +20,20 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from mismatch_probe import rescore, rollout, store
-from mismatch_probe.routing import RoutingShape, routing_shape
-from mismatch_probe.routing.capture_engine import (
+from mismatch_probe import store
+from mismatch_probe.engine import rollout
+from mismatch_probe.engine.routing import (
     StepRecorder,
     capture_routes,
     engine_setup,
 )
-from mismatch_probe.routing.capture_train import TrainRouting
+from mismatch_probe.routing import RoutingShape, routing_shape
 from mismatch_probe.routing.metrics import analyze_run, differing, routing_metrics
 from mismatch_probe.routing.replay import REPLAY_MODES, forced_routes
 from mismatch_probe.routing.store import routing_table, write_routing
 from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import rescore
+from mismatch_probe.training.routing import TrainRouting
 from tests.conftest import encoded_prompts
 from tests.tolerances import ulp_bound
 
@@ -132,7 +134,7 @@ def k3(r: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def qwen_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("routing") / "qwen3_moe", arch="qwen3_moe")
 
@@ -284,7 +286,7 @@ def token_table(name: str, seq_ids: list[int], rolls: list[Any], train: np.ndarr
 
 def test_mixtral_capture_and_replay(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same capture and replay on a Mixtral-style model (vLLM's MixtralForCausalLM)."""
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("routing") / "mixtral", arch="mixtral")
     run = run_engine(path, "bfloat16", {})

@@ -10,16 +10,16 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from mismatch_probe.config import ScanConfig
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.scan import run_scan
 from mismatch_probe.sampling import SamplingSpec
-from mismatch_probe.scan import run_scan
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe")
     prompts = tmp_path_factory.mktemp("p") / "p.jsonl"

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mismatch_probe import rescore
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.routing import routing_shape
-from mismatch_probe.routing.capture_train import ROUTER_WEIGHTS, TrainRouting, router_modules
 from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import rescore
+from mismatch_probe.training.routing import ROUTER_WEIGHTS, TrainRouting, router_modules
 from tests.tolerances import ulp_bound
 
 SPEC = SamplingSpec(temperature=0.7)  # no top-k/top-p: random tokens keep finite log-probs
@@ -28,7 +28,7 @@ LENGTHS = [(7, 20), (12, 5), (3, 30), (9, 1), (5, 0), (10, 14)]
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("moe") / request.param, arch=request.param)
 
@@ -142,8 +142,8 @@ def test_forced_routes_are_checked(moe_model: Path, requests_: Any) -> None:
 
 
 def test_dense_model_has_no_routers(tmp_path: Path) -> None:
+    from mismatch_probe.models.tiny import build_tiny_model
     from mismatch_probe.routing import RoutingShape
-    from mismatch_probe.tiny import build_tiny_model
 
     model = rescore.load_model(build_tiny_model(tmp_path / "llama"), "float32")
     with pytest.raises(ProbeError, match="expected routers in layers"):

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pytest
 
 from mismatch_probe import store
-from mismatch_probe.errors import ProbeError
-from mismatch_probe.routing import RoutingShape, is_moe, routing_shape
-from mismatch_probe.routing.capture_engine import (
+from mismatch_probe.engine.routing import (
     StepRecorder,
     engine_setup,
     normalize_native,
 )
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.routing import RoutingShape, is_moe, routing_shape
 from mismatch_probe.routing.metrics import (
     analyze_run,
     compare_replay,
@@ -325,8 +325,8 @@ def test_minus_infinity_log_prob_keeps_routing_json_finite(tmp_path: Path) -> No
     """A training log-prob of -inf (a token the trainer gives zero probability) is read as the
     metric engine's floor (-9999): routing.json and the summary stay finite, and R3's share is
     a number, never 'nan%'."""
+    from mismatch_probe.pipeline.routes import routing_outputs
     from mismatch_probe.report.routing import load, summary_lines
-    from mismatch_probe.routing.stage import routing_outputs
     from mismatch_probe.settings import RolloutSetting, Setting
 
     none, r3 = (Setting(RolloutSetting("bfloat16"), "float32", m) for m in ("none", "rollout"))

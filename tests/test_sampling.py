@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mismatch_probe.sampling import SamplingSpec, _top_k_top_p, token_logprobs
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training.logits import _top_k_top_p, token_logprobs
 from tests.tolerances import ulp_bound
 
 
@@ -82,7 +83,7 @@ def test_batched_rescoring_equals_one_sequence_at_a_time(tiny_model) -> None:  #
     """Right padding, masks and the logits_to_keep window change nothing."""
     import numpy as np
 
-    from mismatch_probe import rescore
+    from mismatch_probe.training import rescore
 
     model = rescore.load_model(tiny_model, "float32")
     rng = np.random.default_rng(0)
@@ -104,7 +105,7 @@ def test_batched_rescoring_equals_one_sequence_at_a_time(tiny_model) -> None:  #
 
 def test_top_p_window_cascade_equals_full_sort() -> None:
     """Rows resolved in the first window, the second, and by the full sort agree with vLLM."""
-    from mismatch_probe.sampling import _top_p
+    from mismatch_probe.training.logits import _top_p
 
     g = torch.Generator().manual_seed(1)
     scales = torch.tensor([8.0] * 4 + [1.0] * 4 + [0.05] * 4)[:, None]  # peaked .. flat

@@ -28,12 +28,15 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from mismatch_probe import dataset, rescore, sharding, store
-from mismatch_probe.config import ScanConfig
+from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import compute_metrics
+from mismatch_probe.pipeline import sharding
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.scan import ScanResult, run_scan
 from mismatch_probe.sampling import SamplingSpec
-from mismatch_probe.scan import ScanResult, run_scan
+from mismatch_probe.store import dataset
+from mismatch_probe.training import rescore
 from tests.test_dataset import assert_same_metrics
 
 pytestmark = pytest.mark.engine
@@ -197,7 +200,7 @@ def test_sharded_run_files(scans: Scans) -> None:
 def moe_scans(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny MoE model scanned in one process and in 2 shards run here one after the other
     (no Ray: the shard code is the same; Ray is covered above), both replay modes."""
-    from mismatch_probe.tiny import build_tiny_model
+    from mismatch_probe.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("moe_sharded")
     model = build_tiny_model(root / "qwen3_moe", arch="qwen3_moe")

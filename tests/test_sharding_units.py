@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from mismatch_probe import sharding, store
-from mismatch_probe.config import ScanConfig
-from mismatch_probe.raycluster import shard_resources
+from mismatch_probe import store
+from mismatch_probe.pipeline import sharding
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.raycluster import shard_resources
+from mismatch_probe.pipeline.scan import prepare
 from mismatch_probe.sampling import SamplingSpec
-from mismatch_probe.scan import prepare
 from tests.cli_runner import run_probe_err as run_main
 
 

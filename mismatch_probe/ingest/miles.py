@@ -11,8 +11,8 @@ commit 31f1ca9 (2026-08):
 * evaluation rollouts are ``rollout_eval_<id>.parquet``: not training steps, skipped.
 
 The file holds rollout log-probs only: the training side comes from rescoring the same tokens
-with ``--model`` (``mismatch_probe.rescore``), so what is measured is the engine against our
-transformers forward, not against Miles' own trainer.
+with ``--model`` (``mismatch_probe.training.rescore``), so what is measured is the engine
+against our transformers forward, not against Miles' own trainer.
 """
 
 from __future__ import annotations

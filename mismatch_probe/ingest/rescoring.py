@@ -1,5 +1,5 @@
 """The training side of a format that logs rollout log-probs only (Miles' dashboard columns):
-the same prompt + response tokens through ``mismatch_probe.rescore`` with ``--model``.
+the same prompt + response tokens through ``mismatch_probe.training.rescore`` with ``--model``.
 
 Records are scored in chunks of about ``CHUNK_BATCHES`` rescoring batches, so memory stays a
 chunk whatever the number of steps. The scoring is raw at temperature 1 unless ``--temperature``
@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe import rescore
-from mismatch_probe.config import FLIP_EPS
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.records import SeqRecord
+from mismatch_probe.pipeline.config import FLIP_EPS
 from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import rescore
 
 CHUNK_BATCHES = 8
 

@@ -100,9 +100,10 @@ def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator
     records = fmt.read(cfg)
     if cfg.model is None:
         return None, None, records
-    from mismatch_probe import models, rescore
+    from mismatch_probe import models
     from mismatch_probe.ingest.rescoring import rescored
     from mismatch_probe.sampling import SamplingSpec
+    from mismatch_probe.training import rescore
 
     model_dir = models.resolve_model(cfg.model)
     tokenizer = _tokenizer(model_dir)
@@ -129,7 +130,7 @@ def run_metadata(
     cfg: IngestConfig, fmt: Format, off_policy: dict[str, Any], model_dir: Path | None
 ) -> dict[str, Any]:
     """``run.json`` of an ingested run (``counts`` added once the store is written)."""
-    from mismatch_probe.runinfo import library_versions
+    from mismatch_probe.pipeline.runinfo import library_versions
 
     train = fmt.train_field or f"rescored with --model ({cfg.train_dtype}, T={cfg.temperature:g})"
     run: dict[str, Any] = {

@@ -135,7 +135,7 @@ class RunStoreWriter:
             "train_logprob": _nullable(train),
         }
         if self.tokenizer is not None:
-            from mismatch_probe.tables import decode_tokens
+            from mismatch_probe.pipeline.tables import decode_tokens
 
             columns["token_text"] = decode_tokens(self.tokenizer, token_ids)
         self.tokens.write_table(pa.table(columns, schema=self.token_schema))

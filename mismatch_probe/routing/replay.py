@@ -54,5 +54,5 @@ def check_replay(config: Any, modes: Sequence[str]) -> RoutingShape | None:
 
 
 def forced_routes(mode: str, rollout_routes: Sequence[np.ndarray]) -> Sequence[np.ndarray] | None:
-    """The routes ``capture_train.TrainRouting`` must force under ``mode``."""
+    """The routes ``training.routing.TrainRouting`` must force under ``mode``."""
     return REPLAY_MODES[mode](rollout_routes)

@@ -8,8 +8,9 @@ expert ids per (column, layer).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mismatch_probe.errors import ProbeError
 
@@ -88,3 +89,18 @@ def require_moe(config: Any, what: str) -> RoutingShape:
         name = getattr(config, "model_type", None) or type(config).__name__
         raise ProbeError(f"{what} needs a mixture-of-experts model; {name} is dense")
     return shape
+
+
+class TokenSequence(Protocol):
+    """Anything with the token ids of one sequence (``ScoreRequest``, ``Rollout``)."""
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+
+    @property
+    def response_ids(self) -> Sequence[int]: ...
+
+
+def route_columns(seq: TokenSequence) -> int:
+    """``T = P + R - 1``: the number of route columns of a sequence (0 if it is empty)."""
+    return max(len(seq.prompt_ids) + len(seq.response_ids) - 1, 0)

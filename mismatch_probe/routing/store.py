@@ -150,7 +150,7 @@ def read_routing(path: Path, setting: str | None = None) -> RoutingData:
 def resolve_routing_path(path: Path) -> Path:
     """A run directory -> its ``routing.parquet``, else its sharded ``routing/`` directory; a
     file or a directory of parts as it is."""
-    from mismatch_probe import dataset
+    from mismatch_probe.store import dataset
 
     if not path.is_dir():
         return path

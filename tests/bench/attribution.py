@@ -14,9 +14,9 @@ from typing import Any
 
 from rich.console import Console
 
-from mismatch_probe.config import ScanConfig
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.scan import run_scan
 from mismatch_probe.sampling import SamplingSpec
-from mismatch_probe.scan import run_scan
 
 EXTRA_PHASES = ("attribution_prefill", "attribution_rescoring")
 

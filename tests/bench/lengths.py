@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe import models, rescore
+from mismatch_probe import models
 from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import rescore
 
 # tokens per sequence -> number of sequences (2k to 16k tokens each)
 LENGTHS = {256: 8, 2048: 2, 16384: 1}

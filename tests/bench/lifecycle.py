@@ -10,7 +10,7 @@
 * ``engine_modes``: start and stop seconds of the default model's engine in process and as
   vLLM's engine-core and worker processes.
 * ``frozen_heap``: start and stop seconds of the same in-process engine, alternately with the
-  garbage collector's heap of before the engine frozen (``engine_process.frozen_heap``, what a
+  garbage collector's heap of before the engine frozen (``process.frozen_heap``, what a
   scan does) and without (vLLM's five full collections per start then traverse every object
   torch, transformers and vLLM built).
 * ``import_floor``: the seconds a scan's imports take alone (torch, transformers, vLLM's
@@ -44,9 +44,9 @@ def _scan(kind: str) -> dict[str, Any]:
 
     from rich.console import Console
 
-    from mismatch_probe.config import ScanConfig
+    from mismatch_probe.pipeline.config import ScanConfig
+    from mismatch_probe.pipeline.scan import run_scan
     from mismatch_probe.sampling import SamplingSpec
-    from mismatch_probe.scan import run_scan
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,14 +83,14 @@ def _import_floor() -> dict[str, Any]:
 
     modules = len(sys.modules)
     start = time.perf_counter()
-    gc.disable()  # as engine_process.importing does in a scan
+    gc.disable()  # as process.importing does in a scan
     import torch  # noqa: F401
 
     torch_s = time.perf_counter() - start
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     transformers_s = time.perf_counter() - start - torch_s
-    from mismatch_probe.engine_process import import_vllm_quietly
+    from mismatch_probe.engine.process import import_vllm_quietly
 
     import_vllm_quietly()
     from vllm import LLM  # noqa: F401
@@ -113,7 +113,8 @@ def _frozen_heap_ab() -> dict[str, Any]:
     with the heap frozen and as many without, alternately, after a first start (imports)."""
     from contextlib import nullcontext
 
-    from mismatch_probe import engine_process, models, rollout
+    from mismatch_probe import models
+    from mismatch_probe.engine import process, rollout
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.settings import RolloutSetting
 
@@ -121,16 +122,16 @@ def _frozen_heap_ab() -> dict[str, Any]:
     kwargs = rollout.engine_kwargs(model_dir, RolloutSetting("bfloat16"), SamplingSpec(), 1024, {})
     with rollout.engine(kwargs):
         pass
-    frozen_heap = engine_process.frozen_heap
+    frozen_heap = process.frozen_heap
     times: dict[str, dict[str, list[float]]] = {}
     for _ in range(REPEATS):
         for name, scope in (("frozen", frozen_heap), ("not_frozen", nullcontext)):
-            engine_process.frozen_heap = scope  # type: ignore[assignment]
+            process.frozen_heap = scope  # type: ignore[assignment]
             start = time.perf_counter()
             with rollout.engine(kwargs):
                 started = time.perf_counter()
             stopped = time.perf_counter()
-            engine_process.frozen_heap = frozen_heap
+            process.frozen_heap = frozen_heap
             entry = times.setdefault(name, {"start_s": [], "stop_s": []})
             entry["start_s"].append(started - start)
             entry["stop_s"].append(stopped - started)
@@ -148,7 +149,7 @@ def _frozen_heap_ab() -> dict[str, Any]:
 def _requests(vocab: int) -> list[Any]:
     import numpy as np
 
-    from mismatch_probe.rescore import ScoreRequest
+    from mismatch_probe.training.rescore import ScoreRequest
 
     rng = np.random.default_rng(0)
     return [
@@ -162,10 +163,12 @@ def _requests(vocab: int) -> list[Any]:
 
 def _rescoring_around_engine() -> dict[str, Any]:
     """Runs in a spawned child: rescoring tokens/s before and after an in-process engine."""
-    from mismatch_probe import engine_process, models, rescore, rollout
+    from mismatch_probe import models
+    from mismatch_probe.engine import process, rollout
     from mismatch_probe.prompts import EncodedPrompt
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.settings import RolloutSetting
+    from mismatch_probe.training import rescore
 
     model_dir = models.prepare_default_model()
     model = rescore.load_model(model_dir, "float32")
@@ -184,7 +187,7 @@ def _rescoring_around_engine() -> dict[str, Any]:
     rescore.rescore(model, requests, spec, 1e-4)  # warm-up
     import vllm.platforms  # noqa: F401  (its import sets variables of its own, once)
 
-    before_state = engine_process.capture_state()
+    before_state = process.capture_state()
     before = best_tokens_per_s()
     kwargs = rollout.engine_kwargs(model_dir, RolloutSetting("bfloat16"), spec, 1024, {})
     prompt = EncodedPrompt(0, "", tuple(requests[0].prompt_ids))
@@ -197,7 +200,7 @@ def _rescoring_around_engine() -> dict[str, Any]:
         "before_tokens_per_s": before,
         "after_tokens_per_s": after,
         "after_over_before": after / before,
-        "state_differences_after": before_state.differences(engine_process.capture_state()),
+        "state_differences_after": before_state.differences(process.capture_state()),
     }
 
 
@@ -206,7 +209,8 @@ def _engine_modes() -> dict[str, Any]:
     the resident memory and Python objects left after each of several in-process engines."""
     import gc
 
-    from mismatch_probe import models, rollout
+    from mismatch_probe import models
+    from mismatch_probe.engine import rollout
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.settings import RolloutSetting
 

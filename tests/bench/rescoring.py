@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe import models, rescore
-from mismatch_probe.sampling import SamplingSpec, token_logprobs
+from mismatch_probe import models
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training import rescore
+from mismatch_probe.training.logits import token_logprobs
 
 NUM_SEQUENCES = 32
 SPECS = {

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from mismatch_probe import dataset
+from mismatch_probe.store import dataset
 from tests.bench.metrics import _in_child, write_synthetic_store
 
 TOKENS = 10_000_000

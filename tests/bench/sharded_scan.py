@@ -25,10 +25,10 @@ from typing import Any
 
 from rich.console import Console
 
-from mismatch_probe.config import ScanConfig
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.scan import run_scan
+from mismatch_probe.pipeline.sharding import run_sharded
 from mismatch_probe.sampling import SamplingSpec
-from mismatch_probe.scan import run_scan
-from mismatch_probe.sharding import run_sharded
 
 ENGINE_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe.rescore import Scored
-from mismatch_probe.rollout import Rollout
+from mismatch_probe.engine.rollout import Rollout
+from mismatch_probe.training.rescore import Scored
 
 
 def token_table(

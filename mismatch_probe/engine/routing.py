@@ -16,7 +16,7 @@ Two capture paths, named in the run metadata (``capture_path``):
   can round differently, so a near-tie can route differently than during sampling.
 
 Both return, per sequence, ``[T, L, K]`` int16 routes over the columns ``0 .. P + R - 2``
-(see ``capture_train``), expert ids ascending. This module knows nothing about transformers.
+(see ``training.routing``), expert ids ascending. This module knows nothing about transformers.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.routing.capture_train import TokenSequence, route_columns
-from mismatch_probe.routing.shape import RoutingShape
+from mismatch_probe.routing.shape import RoutingShape, TokenSequence, route_columns
 
 NATIVE = "native_decode"
 PREFILL_REPLAY = "prefill_replay"

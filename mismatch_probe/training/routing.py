@@ -26,32 +26,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.routing.shape import RoutingShape
+from mismatch_probe.routing.shape import RoutingShape, TokenSequence, route_columns
 
 if TYPE_CHECKING:
     import torch
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class TokenSequence(Protocol):
-    """Anything with the token ids of one sequence (``ScoreRequest``, ``Rollout``)."""
-
-    @property
-    def prompt_ids(self) -> Sequence[int]: ...
-
-    @property
-    def response_ids(self) -> Sequence[int]: ...
-
-
-def route_columns(seq: TokenSequence) -> int:
-    """``T = P + R - 1``: the number of route columns of a sequence (0 if it is empty)."""
-    return max(len(seq.prompt_ids) + len(seq.response_ids) - 1, 0)
 
 
 def _softmax_gather(

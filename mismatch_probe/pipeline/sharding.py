@@ -30,10 +30,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import dataset, engine_process, scan, store
-from mismatch_probe.config import ScanConfig
+from mismatch_probe import store
+from mismatch_probe.engine import process
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.records import RolloutRun, ScanResult
+from mismatch_probe.pipeline import scan
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.records import RolloutRun, ScanResult
+from mismatch_probe.store import dataset
 
 PLAN_FILE = "shards.json"
 RUNNING = "_RUNNING"  # in tokens/shard=K while the shard runs: {"pid", "host", "started"}
@@ -79,13 +82,13 @@ def start_or_resume(out: Path, cfg: ScanConfig, prep: Any, plan: list[tuple[int,
         "plan": [list(b) for b in plan],
     }
     if not cfg.resume:
-        from mismatch_probe.routing import stage
+        from mismatch_probe.pipeline import routes
 
         for name in (store.TOKENS_DIR, store.SEQUENCES_DIR, store.ROUTING_DIR):
             shutil.rmtree(out / name, ignore_errors=True)
         for name in (store.TOKENS_FILE, store.SEQUENCES_FILE):
             (out / name).unlink(missing_ok=True)  # a single-file store would shadow the parts
-        stage.remove_outputs(out)  # an earlier run's routing files
+        routes.remove_outputs(out)  # an earlier run's routing files
         store.write_json(path, record)
         return set()
     try:
@@ -117,7 +120,7 @@ def _flat(options: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-@engine_process.frozen_heap()  # as a whole scan: collections skip what existed before it
+@process.frozen_heap()  # as a whole scan: collections skip what existed before it
 def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) -> dict[str, Any]:
     """Run one shard (rollout + rescoring of prompts ``bounds``) and write its parts.
 
@@ -129,9 +132,9 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
     """
     from rich.console import Console
 
+    from mismatch_probe.pipeline import routes
+    from mismatch_probe.pipeline.runinfo import run_metadata
     from mismatch_probe.progress import make_progress
-    from mismatch_probe.routing import stage
-    from mismatch_probe.runinfo import run_metadata
 
     tokens_dir, seq_dir = Path(out) / store.TOKENS_DIR, Path(out) / store.SEQUENCES_DIR
     routing_dir = Path(out) / store.ROUTING_DIR
@@ -163,7 +166,7 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
         scan.write_tables(*parts, *scan.store_tables(scored, prep.tokenizer), run)
         if prep.routing is not None:
             part = dataset.part_path(routing_dir, shard)
-            stage.write_routing(Path(out), scored, prep.routing, run, path=part)
+            routes.write_routing(Path(out), scored, prep.routing, run, path=part)
     info["timings"] = dict(timer.seconds)
     if prep.routing is not None:
         dataset.mark_done(routing_dir, shard, info)
@@ -196,7 +199,7 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
     """``probe scan --shards N [--ray ADDRESS] [--resume]``."""
     from contextlib import nullcontext
 
-    from mismatch_probe import raycluster
+    from mismatch_probe.pipeline import raycluster
 
     timer = scan.Timer()
     with timer("prepare"):
@@ -231,10 +234,10 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
 
 def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
     """Metrics over every part, ``run.json`` (with each shard's record) and the reports."""
+    from mismatch_probe.pipeline import routes
+    from mismatch_probe.pipeline.runinfo import run_metadata
     from mismatch_probe.report import load_report, write_outputs
-    from mismatch_probe.routing import stage
     from mismatch_probe.routing import store as routing_store
-    from mismatch_probe.runinfo import run_metadata
 
     infos = dataset.done_shards(out / store.TOKENS_DIR)
     runs, tokens = _merged_runs(cfg, infos)
@@ -247,7 +250,7 @@ def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
         flat = scan.settings_json(paths, results, speed)
         if prep.routing is not None:
             paths["routing"] = out / store.ROUTING_DIR
-            paths.update(stage.routing_outputs(out, present))
+            paths.update(routes.routing_outputs(out, present))
     run = run_metadata(cfg, prep, runs, timer.seconds)
     if prep.routing is not None:
         shape, capture_path = prep.routing.shape, prep.routing.setup.capture_path

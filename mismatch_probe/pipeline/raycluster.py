@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from mismatch_probe.config import ScanConfig
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.pipeline.config import ScanConfig
 
 WORKER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 

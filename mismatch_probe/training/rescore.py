@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.sampling import SamplingSpec, token_logprobs
+from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.training.logits import token_logprobs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,7 +60,7 @@ def load_model(path: Path, dtype: str, device_map: str | None = None, **placemen
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from mismatch_probe.devices import describe, load_kwargs, resolve
+    from mismatch_probe.training.devices import describe, load_kwargs, resolve
 
     hf_logging.disable_progress_bar()
     used = resolve(device_map, Path(path), dtype)
@@ -113,7 +114,7 @@ def rescore(
         on_batch: called with the number of response tokens after each batch (progress).
         batch_context: called with the request indices of each batch, in row order; the
             forward pass of that batch runs inside the returned context manager (used to
-            record or force MoE routes, ``mismatch_probe.routing.capture_train``). Rows are
+            record or force MoE routes, ``mismatch_probe.training.routing``). Rows are
             right-padded to the longest ``prompt + response`` of the batch.
 
     Returns:
@@ -141,7 +142,7 @@ def _score_batch(
     """One forward over the batch, then logits and processing ``chunk`` positions at a time."""
     import torch
 
-    from mismatch_probe.devices import input_device
+    from mismatch_probe.training.devices import input_device
 
     ids, mask, rows, cols = _right_padded(batch, input_device(model))
     with torch.inference_mode():

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import engine_process, interrupt
+from mismatch_probe import interrupt
+from mismatch_probe.engine import process
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.prompts import EncodedPrompt
 from mismatch_probe.sampling import VLLM_LOGPROBS_MODE, SamplingSpec
@@ -37,7 +38,7 @@ COMMON_ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True, "use_tqdm_o
 # quiet, and model paths are local, so the engine never asks a model hub.
 ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
 # How an engine runs: in this process (starts in seconds: no process spawn, no second import
-# of torch and vLLM; the process state it changes is restored by ``engine_process.preserved``)
+# of torch and vLLM; the process state it changes is restored by ``process.preserved``)
 # or in its own processes (vLLM's default: an engine-core process and a worker process).
 IN_PROCESS, MULTIPROCESS = "in-process", "multiprocess"
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -172,13 +173,13 @@ def engine(kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Iterato
     ``engine_env(kwargs=kwargs)``), shut down (engine processes and memory) on exit; the
     process state the engine changed (threads, affinity, NUMA policy, environment) is restored.
     """
-    with engine_process.preserved(), scoped_env(engine_env(kwargs=kwargs) if env is None else env):
-        with engine_process.importing():
+    with process.preserved(), scoped_env(engine_env(kwargs=kwargs) if env is None else env):
+        with process.importing():
             from vllm import LLM  # its modules frozen with the heap (below, or by the scan's)
 
-        log = engine_process.current_log()
+        log = process.current_log()
         offset = log.stat().st_size if log is not None and log.is_file() else 0
-        with engine_process.frozen_heap():
+        with process.frozen_heap():
             try:
                 llm = LLM(**kwargs)
             except Exception as exc:  # vLLM raises many types for an engine that cannot start
@@ -200,7 +201,7 @@ def shutdown(llm: Any) -> None:
     after the engine is dropped."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        with engine_process.collect_later():
+        with process.collect_later():
             core.shutdown()
 
 
@@ -208,11 +209,11 @@ def _start_failure(exc: BaseException, log: Path | None, offset: int) -> str:
     """The real cause on one line: the exception itself in process; for an engine process that
     failed, the last exception its log got since ``offset`` (vLLM's own message only says
     "see root cause above"). The log file is named where there is one."""
-    text = engine_process.describe_exception(exc)
+    text = process.describe_exception(exc)
     if log is not None:  # the whole traceback beside the engine's own output
-        engine_process.append_traceback(log, exc)
-    if engine_process.is_wrapper(text):
-        text = engine_process.root_cause(log, offset) or text
+        process.append_traceback(log, exc)
+    if process.is_wrapper(text):
+        text = process.root_cause(log, offset) or text
     text = text[:400]
     return f"{text} (engine log: {log})" if log is not None else text
 

@@ -63,7 +63,7 @@ def engine_arg_types() -> dict[str, Any]:
     import dataclasses
     import inspect
 
-    from mismatch_probe.engine_process import import_vllm_quietly
+    from mismatch_probe.engine.process import import_vllm_quietly
 
     import_vllm_quietly()  # the first vLLM import of a scan given --vllm-arg: keep it quiet
     from vllm import LLM

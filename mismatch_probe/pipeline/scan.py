@@ -1,4 +1,4 @@
-"""``probe scan``: the pipeline, stage by stage.
+"""``probe scan``: the pipeline, stage by routes.
 
 prompts -> rollout engine (vLLM) -> training-side rescorer (transformers) -> token store
 (Parquet) -> metrics. Everything that can be wrong with the input (model, prompts, options) is
@@ -25,26 +25,19 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from mismatch_probe import (
-    attribution,
-    batch_invariant,
-    engine_process,
-    interrupt,
-    models,
-    rescore,
-    rollout,
-    store,
-)
-from mismatch_probe.checkpoint import check_weights
-from mismatch_probe.config import ScanConfig
+from mismatch_probe import interrupt, models, store
+from mismatch_probe.engine import batch_invariant, process, rollout
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.models.checkpoint import check_weights
+from mismatch_probe.pipeline import attribution, routes
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
+from mismatch_probe.pipeline.runinfo import run_metadata
+from mismatch_probe.pipeline.tables import sequence_table, token_table
 from mismatch_probe.progress import make_progress, vllm_progress
 from mismatch_probe.prompts import default_prompts_path, encode_prompts, load_prompts
-from mismatch_probe.records import Prepared, Rescored, RolloutRun, ScanResult
-from mismatch_probe.routing import stage
-from mismatch_probe.runinfo import run_metadata
 from mismatch_probe.settings import RolloutSetting, Setting
-from mismatch_probe.tables import sequence_table, token_table
+from mismatch_probe.training import rescore
 
 if TYPE_CHECKING:
     from mismatch_probe.metrics import MetricsResult
@@ -70,10 +63,10 @@ class Timer:
 def prepare(cfg: ScanConfig) -> Prepared:
     """Check the options the backend must support, resolve the model, load the tokenizer, read
     and encode the prompts (no engine yet)."""
-    with engine_process.importing():
+    with process.importing():
         from transformers import AutoConfig, AutoTokenizer
 
-        engine_process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
+        process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
     attribution.check(cfg)
     invariant = batch_invariant.check(cfg.batch_invariant)
     model_dir = models.resolve_model(cfg.model)
@@ -84,7 +77,7 @@ def prepare(cfg: ScanConfig) -> Prepared:
         reason = " ".join(str(exc).split())[:300]
         raise ProbeError(f"transformers could not load {model_dir}: {reason}") from None
     check_weights(model_dir)  # what the engine will load, checked before it starts
-    routing = stage.prepare(config, cfg.routing_replay)
+    routing = routes.prepare(config, cfg.routing_replay)
     context = _context_length(config, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if cfg.chat and not has_template:
@@ -109,7 +102,7 @@ def _context_length(config: Any, tokenizer: Any) -> int:
     return int(min(tokenizer.model_max_length, 1 << 20))
 
 
-@engine_process.frozen_heap()  # no collection of the scan traverses what existed before it
+@process.frozen_heap()  # no collection of the scan traverses what existed before it
 def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     """Run the whole pipeline and write the token store (``store.TOKENS_FILE``,
     ``SEQUENCES_FILE``), the metrics (``METRICS_FILE``, ``SETTINGS_FILE``), ``RUN_FILE`` and the
@@ -131,14 +124,14 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         run = run_metadata(cfg, prep, runs, timer.seconds)
         paths = write_store(out, scored, prep.tokenizer, run)
         if prep.routing is not None:
-            paths.update(stage.write_routing(out, scored, prep.routing, run))
+            paths.update(routes.write_routing(out, scored, prep.routing, run))
         else:
-            stage.remove_outputs(out)  # an earlier MoE run's routing files in the same --out
+            routes.remove_outputs(out)  # an earlier MoE run's routing files in the same --out
     with timer("metrics"):
         results = setting_metrics(paths["tokens"], scored)
         flat = settings_json(paths, results, {r.setting: r.tokens_per_s for r in runs})
         if prep.routing is not None:
-            paths.update(stage.routing_outputs(out, list(scored)))
+            paths.update(routes.routing_outputs(out, list(scored)))
     paths["run"] = out / store.RUN_FILE
     with timer("reports"):
         computed = {s.name: m.to_json_dict() for s, m in results.items()}
@@ -185,9 +178,9 @@ def _engine_output(cfg: ScanConfig, console: Any) -> Iterator[None]:
     if cfg.verbose:
         yield
         return
-    log = engine_process.new_log_path(models.cache_dir() / "logs")
-    with engine_process.captured(log) as terminal:
-        if not engine_process.writes_to_fd(console.file, 2):
+    log = process.new_log_path(models.cache_dir() / "logs")
+    with process.captured(log) as terminal:
+        if not process.writes_to_fd(console.file, 2):
             yield  # an in-memory console (tests) keeps its buffer
             return
         saved = console.file
@@ -210,9 +203,9 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
             kwargs = rollout.engine_kwargs(
                 prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
             )
-            run.engine_args = {**kwargs, **stage.engine_kwargs(prep.routing)}
+            run.engine_args = {**kwargs, **routes.engine_kwargs(prep.routing)}
             env = {
-                **stage.engine_env(prep.routing),
+                **routes.engine_env(prep.routing),
                 **batch_invariant.engine_env(cfg.batch_invariant),
             }
             run.engine_env = rollout.engine_env(env, run.engine_args)
@@ -254,7 +247,7 @@ def _generate(
                 run.rungs = attribution.engine_rungs(llm, run.rollouts)
         if prep.routing is not None and not cfg.same_tokens:
             with timer("route_capture"):
-                run.routes = stage.capture(llm, run.rollouts, prep.routing)
+                run.routes = routes.capture(llm, run.rollouts, prep.routing)
     return run
 
 
@@ -277,7 +270,7 @@ def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer
                     run.rungs = attribution.engine_rungs(llm, reference)
             if prep.routing is not None:
                 with timer("route_capture"):
-                    run.routes = stage.capture(llm, reference, prep.routing)
+                    run.routes = routes.capture(llm, reference, prep.routing)
         run.rollouts = [
             replace(r, rollout_logprobs=lp) for r, lp in zip(reference, scores, strict=True)
         ]
@@ -319,7 +312,7 @@ def _rescore_one(
     requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in run.rollouts]
     total = sum(len(r.response_ids) for r in run.rollouts)
     task = progress.add_task(f"score {setting.name}", total=total, unit="tokens")
-    routing = stage.train_routing(model, requests, prep.routing, setting.replay, run.routes)
+    routing = routes.train_routing(model, requests, prep.routing, setting.replay, run.routes)
     result = rescore.rescore(
         model,
         requests,

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from mismatch_probe import store
-from mismatch_probe.routing import capture_engine, replay
+from mismatch_probe.engine import routing as capture_engine
+from mismatch_probe.routing import replay
 from mismatch_probe.routing.shape import RoutingShape
 
 if TYPE_CHECKING:
-    from mismatch_probe.routing.capture_train import TrainRouting
     from mismatch_probe.settings import Setting
+    from mismatch_probe.training.routing import TrainRouting
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def train_routing(
     """Hooks that record the training routes (and force the rollout's under R3)."""
     if routing is None:
         return None
-    from mismatch_probe.routing.capture_train import TrainRouting
+    from mismatch_probe.training.routing import TrainRouting
 
     forced = replay.forced_routes(mode, rollout_routes or [])
     return TrainRouting(model, requests, routing.shape, forced=forced)

@@ -35,8 +35,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mismatch_probe.dataset import part_files
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.store.dataset import part_files
 
 SCHEMA_VERSION = "1"
 META_KEY = b"mismatch_probe.run"

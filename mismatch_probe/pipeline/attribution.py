@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from mismatch_probe import models, rescore, rollout
+from mismatch_probe import models
+from mismatch_probe.engine import rollout
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.attribution import NO_REPLAY, PREFILL, PREFILL_SINGLE, STALE
 from mismatch_probe.metrics.attribution import TRAIN_ROLLOUT_DTYPE as L3
-from mismatch_probe.records import EngineRungs, Prepared, Rescored, RolloutRun
+from mismatch_probe.pipeline.records import EngineRungs, Prepared, Rescored, RolloutRun
 from mismatch_probe.settings import RolloutSetting, Setting
+from mismatch_probe.training import rescore
 
 if TYPE_CHECKING:
-    from mismatch_probe.config import ScanConfig
+    from mismatch_probe.pipeline.config import ScanConfig
 
 
 def check(cfg: ScanConfig) -> None:

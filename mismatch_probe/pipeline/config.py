@@ -9,7 +9,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe.devices import DEVICE_MAPS
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import (
@@ -22,6 +21,7 @@ from mismatch_probe.settings import (
     rollout_settings,
     settings,
 )
+from mismatch_probe.training.devices import DEVICE_MAPS
 
 # Support-flip margin by dtype: about one unit in the last place of a probability near 1, so a
 # boundary within either side's rounding error counts as a possible flip.
@@ -108,7 +108,7 @@ class ScanConfig:
             if not ok:
                 raise ProbeError(message)
         if self.vllm_args:
-            from mismatch_probe.engine_args import check_engine_args
+            from mismatch_probe.engine.args import check_engine_args
 
             check_engine_args(self.vllm_args)
 
