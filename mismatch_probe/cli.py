@@ -72,7 +72,6 @@ from mismatch_probe.options import (
     metric_options,
 )
 from mismatch_probe.pipeline.config import ScanConfig
-from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import ON_OFF
 
 SCAN = ScanConfig()  # the defaults of every scan option
@@ -315,51 +314,16 @@ def scan(
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
-    Defaults and validation come from ``ScanConfig`` and ``SamplingSpec``: the library and the
-    command line cannot disagree. ``--logprobs-mode`` unset means the library's default mode, or
-    raw with ``--attribute`` (which needs raw log-probs at every rung).
+    Defaults, parsing and validation come from ``ScanConfig`` (``from_options``) and
+    ``SamplingSpec``: the library and the command line cannot disagree.
     """
-    from mismatch_probe.engine.batch_invariant import split_args
-    from mismatch_probe.engine.rollout import parse_engine_args
+    options = dict(locals())  # the parameters above, by name: nothing else is defined yet
     from mismatch_probe.pipeline.scan import run_scan
     from mismatch_probe.pipeline.sharding import run_sharded
     from mismatch_probe.report.summary import render_summary
     from mismatch_probe.report.terminal import render_run
-    from mismatch_probe.settings import parse_on_off, split_list
 
-    if logprobs_mode is None:
-        logprobs_mode = "raw" if attribute else SCAN.sampling.logprobs_mode
-    sampling = SamplingSpec(temperature, top_p, top_k, max_tokens, seed, logprobs_mode)  # type: ignore[arg-type]
-    engine_args, batch_invariant = split_args(parse_engine_args(vllm_arg or []))
-    cfg = ScanConfig(
-        model=model,
-        prompts=prompts,
-        num_prompts=num_prompts,
-        samples_per_prompt=samples_per_prompt,
-        sampling=sampling,
-        rollout_dtypes=split_list(rollout_dtype, "--rollout-dtype"),
-        train_dtypes=split_list(train_dtype, "--train-dtype"),
-        kv_cache_dtypes=split_list(kv_cache_dtype, "--kv-cache-dtype"),
-        quantizations=split_list(quantization, "--quantization"),
-        lm_head_fp32=parse_on_off(lm_head_fp32, "--lm-head-fp32"),
-        routing_replay=split_list(routing_replay, "--routing-replay"),
-        same_tokens=same_tokens,
-        strict=strict,
-        chat=chat,
-        out=out,
-        vllm_args=engine_args,
-        batch_tokens=batch_tokens,
-        flip_eps=flip_eps,
-        force=force,
-        attribute=attribute,
-        stale_model=stale_model,
-        batch_invariant=batch_invariant,
-        train_device_map=train_device_map,
-        shards=shards,
-        ray=ray,
-        resume=resume,
-        verbose=verbose,
-    )
+    cfg = ScanConfig.from_options(**options)
     result = (run_sharded if cfg.sharded else run_scan)(cfg, Console(stderr=True))
     console = _stdout_console()
     render_run(result.report, console)

@@ -81,6 +81,7 @@ def test_scan_attribute_then_report_reproduces_it(
     args = ["scan", "--model", str(tiny_model), "--prompts", str(prompts_file), "--attribute"]
     args += ["--rollout-dtype", "float32", "--max-tokens", "12", "--out", str(run)]
     args += ["--stale-model", str(tiny_model), "--vllm-arg", f"kv_cache_memory_bytes={64 << 20}"]
+    args += ["--train-device-map", "cpu"]
     code, err = run_main(args, monkeypatch, capsys)
     assert code == 0, err[-2000:]
 
@@ -92,6 +93,11 @@ def test_scan_attribute_then_report_reproduces_it(
     assert meta["batch_invariant"] is False
     assert meta["sampling"]["logprobs_mode"] == "raw"  # --attribute's default
     assert meta["config"]["attribute"] is True
+    # The stale model loads as the training model does: placed by --train-device-map, recorded.
+    assert meta["train_device_map"]["float32"]["requested"] == "cpu"
+    assert set(meta["attribution_device_map"]) == {"stale=float32"}  # L3: the training scores
+    assert meta["attribution_device_map"]["stale=float32"]["requested"] == "cpu"
+    assert meta["attribution_device_map"]["stale=float32"]["devices"] == ["cpu"]
 
     scanned = (run / "attribution.json").read_text()
     setting = meta["setting"]

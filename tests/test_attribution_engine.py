@@ -82,7 +82,7 @@ def build(model_dir: Path, run: Any, train: tuple[str, ...], stale: Path | None 
     scored = {Setting(run.setting, t): rescored(model_dir, run.rollouts, t) for t in train}
     for i, r in enumerate(scored.values()):
         r.seq_offset = i * len(run.rollouts)
-    prep = SimpleNamespace(model_dir=model_dir)
+    prep = SimpleNamespace(model_dir=model_dir, attribution_devices={})
     attribution.add_train_rungs(config(run.setting.dtype, train, stale), prep, [run], scored)
     return scored
 

@@ -237,6 +237,42 @@ def test_every_write_goes_through_a_temporary_name() -> None:
     assert offenders == []
 
 
+def _renames(tree: Any) -> list[int]:
+    """Lines of ``os.replace``/``os.rename`` calls and of ``Path.replace``/``Path.rename``
+    (one positional argument: not ``str.replace``, not ``dataclasses.replace``)."""
+    import ast
+
+    lines = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        attr, receiver = node.func.attr, ast.unparse(node.func.value)
+        by_os = receiver == "os" and attr in ("replace", "rename")
+        by_path = (
+            attr in ("replace", "rename") and len(node.args) == 1 and receiver != "dataclasses"
+        )
+        if by_os or by_path:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_one_atomic_writer_does_every_rename() -> None:
+    """Temporary-name-then-rename is written once, in ``store`` (``atomic``, ``atomic_files``,
+    ``atomic_dir``): no other module renames a file into place by hand."""
+    import ast
+
+    import mismatch_probe
+
+    package = Path(mismatch_probe.__file__).parent
+    offenders = [
+        f"{path.relative_to(package)}:{line}"
+        for path in sorted(package.rglob("*.py"))
+        if path != package / "store" / "__init__.py"
+        for line in _renames(ast.parse(path.read_text()))
+    ]
+    assert offenders == []
+
+
 def test_an_interrupted_plot_leaves_no_file_under_its_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

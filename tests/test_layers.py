@@ -103,3 +103,28 @@ def test_the_engine_and_training_sides_stay_apart() -> None:
         if name.startswith(SIDES[_unit(path)])
     ]
     assert crossings == []
+
+
+def _module_name(path: Path) -> str:
+    """``report/trend.py`` -> ``mismatch_probe.report.trend``; a package's ``__init__`` -> it."""
+    parts = ("mismatch_probe", *path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _cycles() -> list[str]:
+    """Pairs of modules that import each other (function-level imports included); a package's
+    ``__init__`` (its public face, importing its modules lazily) with one of its own modules is
+    left out."""
+    names = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {
+        name: {i for i in _imports(path) if i in names and i != name}
+        for name, path in names.items()
+    }
+    pairs = [(a, b) for a in edges for b in edges[a] if a < b and a in edges[b]]
+    return sorted(f"{a} <-> {b}" for a, b in pairs if not b.startswith(f"{a}."))
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A module and the one it imports are never imported the other way round (e.g. a plot
+    module imports the data it draws; the data module never imports its plot)."""
+    assert _cycles() == []

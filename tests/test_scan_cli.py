@@ -50,9 +50,11 @@ def latin1_prompts(tmp_path: Path) -> Path:
 
 
 def without_tokenizer(tmp_path: Path, model: Path) -> Path:
+    """The model's config and weights (the file checks pass), no tokenizer."""
     path = tmp_path / "no_tokenizer"
     path.mkdir()
-    (path / "config.json").write_text((model / "config.json").read_text())
+    for name in ("config.json", "model.safetensors"):
+        (path / name).symlink_to(model / name)
     return path
 
 
@@ -332,3 +334,41 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     checked = subprocess.run(gate, capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert checked.stdout.splitlines()[-1] == "all bounds hold"
+
+
+# ``probe`` as the console script runs it, then what the process imported, on stderr's last line.
+IMPORT_RECORD = """
+import json, sys
+from mismatch_probe import cli
+sys.argv = ["probe", *sys.argv[1:]]
+try:
+    cli.main()
+    code = 0
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in ("vllm", "transformers", "torch") if m in sys.modules)
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("vllm_arg", [[], ["--vllm-arg", "max_num_seqs=4"]])
+def test_a_bad_out_fails_before_vllm_is_imported(
+    tiny_model: Path, prompts_file: Path, tmp_path: Path, vllm_arg: list[str]
+) -> None:
+    """``--out`` under a file fails with one line, and the process never imported vLLM,
+    transformers or torch (its own ``sys.modules``): every path and option check runs first,
+    a ``--vllm-arg`` included (its types are checked once vLLM is imported anyway)."""
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"
+    args = ["scan", "--model", str(tiny_model), "--prompts", str(prompts_file), "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_RECORD, *args, *vllm_arg],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    *lines, record = proc.stderr.strip().splitlines()
+    assert json.loads(record) == {"code": 2, "heavy": []}
+    assert lines == [
+        f"error: --out: cannot write to {out} (Not a directory (a parent of the path is a file))"
+    ]

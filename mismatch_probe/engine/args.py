@@ -38,15 +38,27 @@ RESERVED: dict[str, str] = {
 }
 
 
-def check_engine_args(args: dict[str, Any]) -> None:
-    """Refuse a reserved key, an unknown key, or a value of the wrong type.
+def check_reserved(args: dict[str, Any]) -> None:
+    """Refuse a key probe sets from its own options (no vLLM import: checked with the config).
 
     Raises:
-        ProbeError: one line naming the ``--vllm-arg`` and what to do instead.
+        ProbeError: one line naming the ``--vllm-arg`` and the option to use instead.
     """
     for key in args:
         if key in RESERVED:
             raise ProbeError(f"--vllm-arg {key}: probe sets {key} itself; use {RESERVED[key]}")
+
+
+def check_engine_args(args: dict[str, Any]) -> None:
+    """Refuse a reserved key, an unknown key, or a value of the wrong type (imports vLLM for
+    its engine arguments' types when ``args`` is not empty).
+
+    Raises:
+        ProbeError: one line naming the ``--vllm-arg`` and what to do instead.
+    """
+    check_reserved(args)
+    if not args:
+        return
     hints = engine_arg_types()
     for key, value in args.items():
         if key not in hints:

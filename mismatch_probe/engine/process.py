@@ -339,34 +339,34 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def descendants(pid: int | None = None) -> list[int]:
-    """Every live process below ``pid`` (default: this one), from ``/proc`` (Linux)."""
-    root = os.getpid() if pid is None else pid
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] != "Z":  # a zombie is gone, only not yet reaped
-            parents[int(entry.name)] = int(fields[1])
-    found, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [p for p, pp in parents.items() if pp == parent]
-        found += children
-        frontier += children
-    return found
+    """Every live process below ``pid`` (default: this one), through ``psutil`` (zombies are
+    gone, only not yet reaped, and left out)."""
+    import psutil
+
+    try:
+        children = psutil.Process(os.getpid() if pid is None else pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [c.pid for c in children if _status(c) != psutil.STATUS_ZOMBIE]
+
+
+def _status(proc: Any) -> str | None:
+    import psutil
+
+    try:
+        return str(proc.status())
+    except psutil.Error:
+        return None  # gone meanwhile
 
 
 def _is_resource_tracker(pid: int) -> bool:
     """multiprocessing's resource tracker exits by itself when this process does, after
     removing any shared memory left behind: it is not stopped early."""
+    import psutil
+
     try:
-        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        return any("resource_tracker" in part for part in psutil.Process(pid).cmdline())
+    except psutil.Error:
         return False
 
 
@@ -381,8 +381,6 @@ def stop_children(
     """
     import signal
 
-    if not Path("/proc").is_dir():
-        return []
     pids = [p for p in descendants() if p not in exclude and not _is_resource_tracker(p)]
     for pid in pids:
         _signal(pid, signal.SIGTERM)

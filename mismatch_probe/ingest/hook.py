@@ -17,7 +17,6 @@ This module needs numpy and pyarrow only; torch tensors are converted with ``.de
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 
 FORMAT_NAME = "probe-tokens"
@@ -159,12 +159,8 @@ class ProbeWriter:
             self.calls += 1
             if not path.exists():
                 break
-        tmp = directory / f".{path.name}.partial-{os.getpid()}"
-        try:
+        with store.atomic(path) as tmp:
             pq.write_table(table, tmp, compression="zstd")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         return path
 
 

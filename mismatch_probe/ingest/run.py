@@ -12,8 +12,6 @@ section. ``probe metrics/report/compare/check`` read it like a scan.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,17 +49,16 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
     if not cfg.path.exists():
         raise ProbeError(f"{cfg.path}: no such file or directory")
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cfg.out.parent / f".{cfg.out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    # A hidden directory beside --out, renamed to it when complete (an empty --out, checked
+    # above, is replaced): an interrupted ingest leaves no run that looks complete.
+    with store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp:
         run, metrics, steps, ctx = _ingest_into(tmp, cfg, fmt)
-        if cfg.out.exists():
-            cfg.out.rmdir()  # empty (checked above)
-        os.replace(tmp, cfg.out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out))
+
+
+def _never(path: Path) -> bool:
+    """No directory already at ``--out`` counts as this ingest's result."""
+    return False
 
 
 def _ingest_into(

@@ -132,8 +132,6 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, context: int
     ``out`` is checked writable first; the files are saved into a hidden directory inside it and
     each renamed into place when all are complete, so no partial file has a final name.
     """
-    import shutil
-
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -146,16 +144,13 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, context: int
     config.max_position_embeddings = context
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tmp = out / f".partial-{arch}-{seed}"
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one shard: a bar would only add noise
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        for path in sorted(tmp.iterdir()):
-            path.replace(out / path.name)
+        with store.atomic_files(out) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         if bars:
             hf_logging.enable_progress_bar()
     return out

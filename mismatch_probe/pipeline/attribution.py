@@ -31,11 +31,13 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.attribution import NO_REPLAY, PREFILL, PREFILL_SINGLE, STALE
 from mismatch_probe.metrics.attribution import TRAIN_ROLLOUT_DTYPE as L3
 from mismatch_probe.pipeline.records import EngineRungs, Prepared, Rescored, RolloutRun
+from mismatch_probe.pipeline.rescoring import load_model
 from mismatch_probe.settings import RolloutSetting, Setting
 from mismatch_probe.training import rescore
 
 if TYPE_CHECKING:
     from mismatch_probe.pipeline.config import ScanConfig
+    from mismatch_probe.pipeline.timing import Timer
 
 
 def check(cfg: ScanConfig) -> None:
@@ -63,6 +65,17 @@ def check(cfg: ScanConfig) -> None:
         models.resolve_model(cfg.stale_model)
 
 
+def engine_step(
+    cfg: ScanConfig, llm: Any, rollouts: Sequence[rollout.Rollout], timer: Timer
+) -> EngineRungs | None:
+    """The engine's rungs of ``rollouts`` under ``--attribute`` (timed as
+    ``attribution_prefill``), while the engine is up; None (nothing done) without it."""
+    if not cfg.attribute:
+        return None
+    with timer("attribution_prefill"):
+        return engine_rungs(llm, rollouts)
+
+
 def engine_rungs(llm: Any, rollouts: Sequence[rollout.Rollout]) -> EngineRungs:
     """L1 (one batched call) and L2 (one call, hence one engine step, per sequence)."""
     batched = rollout.score_forced(llm, rollouts)
@@ -81,14 +94,16 @@ def _rollout_dtype_scores(
     cfg: ScanConfig, prep: Any, runs: Sequence[Any], scored: dict[Setting, Any]
 ) -> dict[RolloutSetting, list[np.ndarray]]:
     """L3 per rollout setting: the training scores at the same dtype when the scan has them
-    (own routes), else one rescoring per rollout dtype."""
+    (own routes), else one rescoring per rollout dtype (its model placed as the training
+    model, recorded as ``rollout_dtype=<dtype>``)."""
     out: dict[RolloutSetting, list[np.ndarray]] = {}
     for run in runs:
         same = scored.get(Setting(run.setting, run.setting.dtype, "none"))
         if same is not None:
             out[run.setting] = [s.logprobs for s in same.scored]
     for dtype in dict.fromkeys(r.setting.dtype for r in runs if r.setting not in out):
-        model = rescore.load_model(prep.model_dir, dtype)
+        key = f"rollout_dtype={dtype}"
+        model = load_model(cfg, prep.model_dir, dtype, prep.attribution_devices, key)
         for run in (r for r in runs if r.setting.dtype == dtype and r.setting not in out):
             out[run.setting] = _score(model, run.rollouts, cfg)
         del model
@@ -96,19 +111,34 @@ def _rollout_dtype_scores(
 
 
 def _stale_scores(
-    cfg: ScanConfig, runs: Sequence[Any]
+    cfg: ScanConfig, prep: Any, runs: Sequence[Any]
 ) -> dict[tuple[RolloutSetting, str], list[np.ndarray]]:
-    """L5 per (rollout setting, training dtype): the stale checkpoint's scores."""
+    """L5 per (rollout setting, training dtype): the stale checkpoint's scores (its model
+    placed as the training model, recorded as ``stale=<dtype>``)."""
     out: dict[tuple[RolloutSetting, str], list[np.ndarray]] = {}
     if cfg.stale_model is None:
         return out
     path = models.resolve_model(cfg.stale_model)
     for dtype in cfg.train_dtypes:
-        model = rescore.load_model(path, dtype)
+        model = load_model(cfg, path, dtype, prep.attribution_devices, f"stale={dtype}")
         for run in runs:
             out[(run.setting, dtype)] = _score(model, run.rollouts, cfg)
         del model
     return out
+
+
+def train_step(
+    cfg: ScanConfig,
+    prep: Prepared,
+    runs: Sequence[RolloutRun],
+    scored: dict[Setting, Rescored],
+    timer: Timer,
+) -> None:
+    """The training side's rungs under ``--attribute`` (``add_train_rungs``, timed as
+    ``attribution_rescoring``); nothing without it."""
+    if cfg.attribute:
+        with timer("attribution_rescoring"):
+            add_train_rungs(cfg, prep, runs, scored)
 
 
 def add_train_rungs(
@@ -117,14 +147,19 @@ def add_train_rungs(
     runs: Sequence[RolloutRun],
     scored: dict[Setting, Rescored],
 ) -> None:
-    """Fill each ``Rescored.rungs`` with its rung columns (flat ``[N]`` arrays, rollout order).
+    """Fill each ``Rescored.rungs`` with its rung columns (flat ``[N]`` arrays, rollout order);
+    nothing without ``--attribute``. The extra models load through ``rescoring.load_model``
+    (``--train-device-map``); where each ran goes to ``prep.attribution_devices``.
 
     Args:
         runs: the rollout runs that produced tokens (``RolloutRun`` with ``rungs`` set).
         scored: every setting's ``Rescored`` (updated in place).
     """
+    if not cfg.attribute:
+        return
+    runs = [r for r in runs if r.rollouts]  # the rollout settings that produced tokens
     l3 = _rollout_dtype_scores(cfg, prep, runs, scored)
-    stale = _stale_scores(cfg, runs)
+    stale = _stale_scores(cfg, prep, runs)
     by_rollout = {run.setting: run for run in runs}
     for setting, rescored in scored.items():
         engine = by_rollout[setting.rollout].rungs

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from mismatch_probe.engine.args import check_reserved
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import (
@@ -18,8 +20,10 @@ from mismatch_probe.settings import (
     REPLAY_MODES,
     RolloutSetting,
     Setting,
+    parse_on_off,
     rollout_settings,
     settings,
+    split_list,
 )
 from mismatch_probe.training.devices import DEVICE_MAPS
 
@@ -32,6 +36,17 @@ FLOAT_OPTIONS = {
     "--temperature": lambda cfg: cfg.sampling.temperature,
     "--top-p": lambda cfg: cfg.sampling.top_p,
     "--flip-eps": lambda cfg: cfg.flip_eps,
+}
+
+
+# The list options, given as comma-separated text: field -> (option name, parser).
+LIST_OPTIONS: dict[str, tuple[str, Callable[[str, str], tuple[Any, ...]]]] = {
+    "rollout_dtypes": ("rollout_dtype", split_list),
+    "train_dtypes": ("train_dtype", split_list),
+    "kv_cache_dtypes": ("kv_cache_dtype", split_list),
+    "quantizations": ("quantization", split_list),
+    "lm_head_fp32": ("lm_head_fp32", parse_on_off),
+    "routing_replay": ("routing_replay", split_list),
 }
 
 
@@ -107,10 +122,9 @@ class ScanConfig:
         for ok, message in checks:
             if not ok:
                 raise ProbeError(message)
-        if self.vllm_args:
-            from mismatch_probe.engine.args import check_engine_args
-
-            check_engine_args(self.vllm_args)
+        # The keys probe sets itself; the values' types are checked against vLLM's own engine
+        # arguments once the path checks have passed (``scan.prepare``: vLLM is imported there).
+        check_reserved(self.vllm_args)
 
     @property
     def sharded(self) -> bool:
@@ -141,6 +155,49 @@ class ScanConfig:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name)
         return Path("reports") / f"{safe}-{stamp}"
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_tokens: int,
+        seed: int,
+        logprobs_mode: str | None,
+        vllm_arg: list[str] | None,
+        **options: Any,
+    ) -> ScanConfig:
+        """The one way ``probe scan``'s options become a config: the options as the command
+        line gives them (the ``scan`` command's parameters, by name): lists as comma-separated
+        text (``rollout_dtype="bfloat16,float16"``, ``lm_head_fp32="off,on"``), ``--vllm-arg``
+        as ``key=value`` items (``VLLM_BATCH_INVARIANT`` taken out of them), the sampling
+        options apart. ``logprobs_mode=None``: the default mode, or raw with ``attribute``
+        (every rung of attribution needs raw log-probabilities). Every other option is the
+        field of the same name.
+
+        Raises:
+            ProbeError: a malformed list or ``--vllm-arg``, or any check of ``__post_init__``.
+        """
+        from mismatch_probe.engine.batch_invariant import split_args
+        from mismatch_probe.engine.rollout import parse_engine_args
+
+        if logprobs_mode is None:
+            logprobs_mode = "raw" if options.get("attribute") else SamplingSpec().logprobs_mode
+        sampling = SamplingSpec(temperature, top_p, top_k, max_tokens, seed, logprobs_mode)  # type: ignore[arg-type]
+        engine_args, invariant = split_args(parse_engine_args(vllm_arg or []))
+        lists: dict[str, Any] = {
+            field: parse(options.pop(name), f"--{name.replace('_', '-')}")
+            for field, (name, parse) in LIST_OPTIONS.items()
+        }
+        return cls(
+            sampling=sampling,
+            vllm_args=engine_args,
+            batch_invariant=invariant,
+            **lists,
+            **options,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -35,6 +35,16 @@ class Prepared:
     routing: Routing | None = None  # a mixture-of-experts model's routing, else None
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT asked for (and supported here)
     train_devices: dict[str, Any] = field(default_factory=dict)  # train dtype -> device map
+    # --attribute's extra models: "rollout_dtype=<dtype>" or "stale=<dtype>" -> device map
+    attribution_devices: dict[str, Any] = field(default_factory=dict)
+    out: Path | None = None  # the output directory, checked (None: a shard's worker)
+
+    @property
+    def out_dir(self) -> Path:
+        """The checked output directory (only a driver, never a shard's worker, asks)."""
+        if self.out is None:
+            raise AssertionError("prepare(cfg, out=False) checked no output directory")
+        return self.out
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The routing stage of ``probe scan``: what the scan calls for a mixture-of-experts model.
 
-For a dense model ``prepare`` returns ``None`` and every other function is a no-op the scan
-does not call. For an MoE model: the engine is started so that routes can be captured
+For a dense model ``prepare`` returns ``None`` and every other function, given that ``None``,
+is a no-op (the scan calls them all the same: no routing branch in the pipeline). For an MoE
+model: the engine is started so that routes can be captured
 (``engine_kwargs``, ``engine_env``), each engine's routes are captured after sampling
 (``capture``), the training forward records (or, with ``--routing-replay rollout``, forces) its
 routes while rescoring (``train_routing``), and the routes are stored (``routing.parquet``),
@@ -10,7 +11,7 @@ measured (``routing.json``); the report draws the routing section and plots from
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from mismatch_probe.routing import replay
 from mismatch_probe.routing.shape import RoutingShape
 
 if TYPE_CHECKING:
+    from mismatch_probe.pipeline.timing import Timer
     from mismatch_probe.settings import Setting
     from mismatch_probe.training.routing import TrainRouting
 
@@ -52,9 +54,16 @@ def engine_env(routing: Routing | None) -> dict[str, str]:
     return dict(routing.setup.env) if routing else {}
 
 
-def capture(llm: Any, rollouts: Sequence[Any], routing: Routing) -> list[Any]:
-    """The engine's ``[P + R - 1, L, K]`` routes of each rollout."""
-    return capture_engine.capture_routes(llm, rollouts, routing.shape, routing.setup.capture_path)
+def capture(
+    llm: Any, rollouts: Sequence[Any], routing: Routing | None, timer: Timer
+) -> list[Any] | None:
+    """The engine's ``[P + R - 1, L, K]`` routes of each rollout (timed as ``route_capture``);
+    None for a dense model."""
+    if routing is None:
+        return None
+    with timer("route_capture"):
+        shape, path = routing.shape, routing.setup.capture_path
+        return capture_engine.capture_routes(llm, rollouts, shape, path)
 
 
 def train_routing(
@@ -73,18 +82,27 @@ def train_routing(
     return TrainRouting(model, requests, routing.shape, forced=forced)
 
 
+def batch_context(routing: TrainRouting | None) -> Callable[[list[int]], Any] | None:
+    """What the rescorer enters around each batch's forward (None: nothing to hook)."""
+    return routing.batch if routing is not None else None
+
+
+def recorded(routing: TrainRouting | None) -> list[Any] | None:
+    """The training side's own ``[T, L, K]`` routes of each request (None: a dense model)."""
+    return routing.recorded if routing is not None else None
+
+
 def write_routing(
-    out: Path,
-    scored: dict[Setting, Any],
-    routing: Routing,
-    run: dict[str, Any],
-    path: Path | None = None,
-) -> dict[str, Path]:
-    """``routing.parquet`` (or ``path``: a sharded scan's part): both sides' routes of every
+    path: Path, scored: dict[Setting, Any], routing: Routing | None, run: dict[str, Any]
+) -> None:
+    """``path`` (``routing.parquet``, or a sharded scan's part): both sides' routes of every
     setting, keyed like the token store; records the routing shape and capture path in ``run``
-    (``run["routing"]``)."""
+    (``run["routing"]``, also the file's metadata). Nothing for a dense model."""
     from mismatch_probe.routing import store as routing_store
 
+    if routing is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)  # a shard's part directory
     tables = [
         routing_store.routing_table(
             setting.name,
@@ -95,11 +113,29 @@ def write_routing(
         )
         for setting, rescored in scored.items()
     ]
-    path = path or out / store.ROUTING_FILE
     capture_path = routing.setup.capture_path
     routing_store.write_routing(path, pa.concat_tables(tables), routing.shape, capture_path, run)
     run["routing"] = routing_store.routing_metadata(routing.shape, capture_path)
-    return {"routing": path}
+
+
+def finish(
+    out: Path, routing: Routing | None, settings: list[Setting], run: dict[str, Any]
+) -> dict[str, Path]:
+    """The finishing step's routing part: the metadata in ``run`` (``run["routing"]``) and
+    ``routing.json`` over the stored routes of ``settings``. For a dense model, the routing
+    files an earlier MoE run left in ``out`` are removed (they would describe another run).
+
+    Returns:
+        ``{"routing": ..., "routing_metrics": ...}`` ({} for a dense model).
+    """
+    from mismatch_probe.routing import store as routing_store
+
+    if routing is None:
+        remove_outputs(out)
+        return {}
+    run["routing"] = routing_store.routing_metadata(routing.shape, routing.setup.capture_path)
+    stored = {"routing": routing_store.resolve_routing_path(out)}
+    return {**stored, **routing_outputs(out, settings)}
 
 
 def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:

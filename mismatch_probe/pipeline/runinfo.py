@@ -34,7 +34,7 @@ def run_metadata(
             "rescoring": "processed" if spec.processes_logits else "raw",
             "rollout_logprobs": _logprob_source(cfg),
         },
-        "rollouts": [_run_record(r) for r in runs],
+        "rollouts": [run_record(r) for r in runs],
         "model": {
             "path": str(prep.model_dir.resolve()),
             "name": prep.model_dir.name,
@@ -47,6 +47,7 @@ def run_metadata(
             "sha256": prompts_hash(prep),
         },
         "train_device_map": dict(prep.train_devices),
+        "attribution_device_map": dict(prep.attribution_devices),
         "batch_invariant": prep.batch_invariant,
         "versions": library_versions(),
         "hardware": hardware(),
@@ -70,7 +71,7 @@ def _logprob_source(cfg: ScanConfig) -> str:
     return f"decode ({cfg.sampling.logprobs_mode} log-probs of the sampled tokens)"
 
 
-def _run_record(run: RolloutRun) -> dict[str, Any]:
+def run_record(run: RolloutRun) -> dict[str, Any]:
     """A rollout setting's engine run: the arguments and environment its engine was created
     with (recorded at the start; empty when the setting was refused before one started)."""
     return {

@@ -1,95 +1,129 @@
-"""``probe scan``: the pipeline, stage by routes.
+"""``probe scan``: the one pipeline of a scan, whole or sharded.
 
-prompts -> rollout engine (vLLM) -> training-side rescorer (transformers) -> token store
-(Parquet) -> metrics. Everything that can be wrong with the input (model, prompts, options) is
-checked before any engine starts.
+prompts -> rollout engines (vLLM, ``engines``) -> training-side rescoring (transformers,
+``rescoring``) -> token store (Parquet) -> metrics -> reports. A scan is: ``prepare`` (every path
+and option value checked by ``check_inputs`` before vLLM or transformers is imported, then the
+tokenizer and the prompts), ``run_range`` on a range of prompts (engines, rescoring, the optional
+parts: attribution rungs, MoE routes, each a no-op where it does not apply; then the range's
+tables written), and ``finish`` (the metrics once, ``settings.json``, the reports, handed the run
+metadata in memory, then ``run.json``). A whole scan (``run_scan``) is the one-range case; a
+sharded scan (``sharding.run_sharded``) runs ``run_range`` once per shard, then the same
+``finish``.
 
 A scan runs one or more precision *settings* (``settings.py``). Work is shared: one engine per
 rollout setting (started, used, shut down in turn, so the training model never shares memory
 with an engine), then one training model per training dtype, which rescores every rollout
-setting's tokens. With ``same_tokens`` the first rollout setting samples and every engine scores
-those tokens as forced continuations (raw prefill log-probabilities), so that settings differ
-only by numerics.
+setting's tokens.
 """
 
 from __future__ import annotations
 
-import itertools
+import os
+import socket
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import replace
-from functools import partial
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
 from mismatch_probe import interrupt, models, store
-from mismatch_probe.engine import batch_invariant, process, rollout
+from mismatch_probe.engine import batch_invariant, process
+from mismatch_probe.engine.args import check_engine_args
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.models.checkpoint import check_weights
-from mismatch_probe.pipeline import attribution, routes
+from mismatch_probe.pipeline import attribution, engines, rescoring, routes
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
-from mismatch_probe.pipeline.runinfo import run_metadata
+from mismatch_probe.pipeline.runinfo import run_metadata, run_record
 from mismatch_probe.pipeline.tables import sequence_table, token_table
-from mismatch_probe.progress import make_progress, vllm_progress
-from mismatch_probe.prompts import default_prompts_path, encode_prompts, load_prompts
+from mismatch_probe.pipeline.timing import Timer
+from mismatch_probe.progress import make_progress
+from mismatch_probe.prompts import Prompt, default_prompts_path, encode_prompts, load_prompts
 from mismatch_probe.settings import RolloutSetting, Setting
-from mismatch_probe.training import rescore
 
 if TYPE_CHECKING:
     from mismatch_probe.metrics import MetricsResult
 
-
-class Timer:
-    """Wall-clock seconds per phase: ``with timer("generation"): ...`` (also names the stage an
-    interrupt reports)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            with interrupt.stage(phase):
-                yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+__all__ = ["Timer", "check_inputs", "finish", "prepare", "run_range", "run_scan"]
 
 
-def prepare(cfg: ScanConfig) -> Prepared:
-    """Check the options the backend must support, resolve the model, load the tokenizer, read
-    and encode the prompts (no engine yet)."""
+class Inputs(NamedTuple):
+    """What ``check_inputs`` found: every path checked, the prompts read (not yet encoded)."""
+
+    model_dir: Path
+    prompts_path: Path  # resolved
+    prompts: list[Prompt]
+    out: Path | None  # None: not checked (a shard's worker: the driver checked it)
+
+
+def check_inputs(cfg: ScanConfig, out: bool = True) -> Inputs:
+    """Every check of a path or an option value that needs neither vLLM nor transformers, run
+    before either is imported (a typo fails in a fraction of a second, not after the imports).
+
+    Args:
+        out: check the output directory (``check_out``); a shard's worker leaves it to the
+            driver.
+
+    Raises:
+        ProbeError: an unwritable or occupied ``--out``, a missing model or prompts file,
+            malformed prompts, options attribution cannot measure, Ray not installed.
+    """
+    if cfg.ray is not None:
+        from mismatch_probe.pipeline.raycluster import require_ray
+
+        require_ray()
+    out_dir = check_out(cfg, cfg.out, create=False) if out and cfg.out is not None else None
+    attribution.check(cfg)
+    model_dir = models.resolve_model(cfg.model)
+    check_weights(model_dir)  # what the engine will load, checked before it starts
+    if out and out_dir is None:
+        out_dir = check_out(cfg, cfg.out_dir(model_dir.name), create=False)
+    prompts_path = (cfg.prompts or default_prompts_path()).resolve()
+    return Inputs(model_dir, prompts_path, load_prompts(prompts_path, cfg.num_prompts), out_dir)
+
+
+def prepare(cfg: ScanConfig, out: bool = True) -> Prepared:
+    """Check the inputs (``check_inputs``, before the heavy imports), then check the options the
+    backend must support, load the tokenizer and encode the prompts (no engine yet)."""
+    inputs = check_inputs(cfg, out)
     with process.importing():
         from transformers import AutoConfig, AutoTokenizer
 
         process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
-    attribution.check(cfg)
+    check_engine_args(cfg.vllm_args)  # their types are vLLM's own: known once it is imported
     invariant = batch_invariant.check(cfg.batch_invariant)
-    model_dir = models.resolve_model(cfg.model)
+    model_dir = inputs.model_dir
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         reason = " ".join(str(exc).split())[:300]
         raise ProbeError(f"transformers could not load {model_dir}: {reason}") from None
-    check_weights(model_dir)  # what the engine will load, checked before it starts
     routing = routes.prepare(config, cfg.routing_replay)
     context = _context_length(config, tokenizer)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if cfg.chat and not has_template:
         raise ProbeError(f"--chat: the tokenizer of {model_dir} has no chat template")
     chat = has_template if cfg.chat is None else cfg.chat
-    prompts_path = (cfg.prompts or default_prompts_path()).resolve()
-    raw = load_prompts(prompts_path, cfg.num_prompts)
-    encoded = encode_prompts(raw, tokenizer, chat, context, cfg.sampling.max_tokens)
+    encoded = encode_prompts(inputs.prompts, tokenizer, chat, context, cfg.sampling.max_tokens)
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
     longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1
     max_len = min(context, longest)
-    return Prepared(model_dir, prompts_path, chat, encoded, max_len, tokenizer, routing, invariant)
+    if inputs.out is not None:
+        store.writable_dir(inputs.out, "--out")  # every check passed: now it may be created
+    return Prepared(
+        model_dir,
+        inputs.prompts_path,
+        chat,
+        encoded,
+        max_len,
+        tokenizer,
+        routing,
+        invariant,
+        out=inputs.out,
+    )
 
 
 def _context_length(config: Any, tokenizer: Any) -> int:
@@ -102,231 +136,202 @@ def _context_length(config: Any, tokenizer: Any) -> int:
     return int(min(tokenizer.model_max_length, 1 << 20))
 
 
+@dataclass(frozen=True)
+class Part:
+    """Where one prompt range's rows go: the single files of a whole scan, or one shard's parts
+    of a sharded store (``sharding.shard_part``).
+
+    Attributes:
+        bounds: ``[start, stop)`` prompt indices.
+        tokens, sequences, routing: the files the range's tables are written to.
+        shard: the shard number (None: the whole scan, one range).
+    """
+
+    bounds: tuple[int, int]
+    tokens: Path
+    sequences: Path
+    routing: Path
+    shard: int | None = None
+
+
+# The token store's names: single files (one range) or one directory of parts per table.
+STORE_NAMES = {
+    False: {"tokens": store.TOKENS_FILE, "sequences": store.SEQUENCES_FILE},
+    True: {"tokens": store.TOKENS_DIR, "sequences": store.SEQUENCES_DIR},
+}
+DEVICE_MAPS = ("train_device_map", "attribution_device_map")  # what a range records, per map
+
+
 @process.frozen_heap()  # no collection of the scan traverses what existed before it
 def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
-    """Run the whole pipeline and write the token store (``store.TOKENS_FILE``,
+    """Run the whole pipeline: one prompt range holding every prompt (``run_range``), then the
+    finishing step (``finish``). Writes the token store (``store.TOKENS_FILE``,
     ``SEQUENCES_FILE``), the metrics (``METRICS_FILE``, ``SETTINGS_FILE``), ``RUN_FILE`` and the
     reports into the output directory (plus ``ROUTING_FILE`` and ``ROUTING_METRICS_FILE`` for a
-    mixture-of-experts model). A sharded scan is ``sharding.run_sharded``."""
-    from mismatch_probe.report import load_report, write_outputs
-
+    mixture-of-experts model). A sharded scan is ``sharding.run_sharded``: the same range step
+    per shard, the same finishing step."""
     if cfg.sharded:
         raise ProbeError("a sharded scan (shards > 1) runs with sharding.run_sharded")
     timer = Timer()
     started = time.time()
     with timer("prepare"):
         prep = prepare(cfg)
-        out = check_out(cfg, cfg.out_dir(prep.model_dir.name))
+    out = prep.out_dir
+    interrupt.writing_to(out, started)
+    names = STORE_NAMES[False]
+    part = Part(
+        (0, len(prep.prompts)), out / names["tokens"], out / names["sequences"],
+        out / store.ROUTING_FILE,
+    )  # fmt: skip
     with make_progress(console) as progress:
-        runs, scored = sample_and_rescore(cfg, prep, timer, progress, console)
-    with timer("writing"):
-        interrupt.writing_to(out, started)
-        run = run_metadata(cfg, prep, runs, timer.seconds)
-        paths = write_store(out, scored, prep.tokenizer, run)
-        if prep.routing is not None:
-            paths.update(routes.write_routing(out, scored, prep.routing, run))
-        else:
-            routes.remove_outputs(out)  # an earlier MoE run's routing files in the same --out
-    with timer("metrics"):
-        results = setting_metrics(paths["tokens"], scored)
-        flat = settings_json(paths, results, {r.setting: r.tokens_per_s for r in runs})
-        if prep.routing is not None:
-            paths.update(routes.routing_outputs(out, list(scored)))
-    paths["run"] = out / store.RUN_FILE
-    with timer("reports"):
-        computed = {s.name: m.to_json_dict() for s, m in results.items()}
-        report, entries = load_report(out, computed=computed)
-        paths.update(write_outputs(report, entries))
-    run["timings"] = dict(timer.seconds)
-    with interrupt.stage("writing"):
-        store.write_json(paths["run"], run)
-    skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
-    return ScanResult(out, paths, run, flat, skipped, report, entries)
+        record = run_range(cfg, prep, part, timer, progress, console)
+    return finish(cfg, prep, [record], timer)
 
 
-def check_out(cfg: ScanConfig, out: Path) -> Path:
-    """The output directory, created and proven writable before any engine starts (a scan
-    must not run for minutes to fail at its first write). One that holds a run already is
-    refused unless ``cfg.force``: its files would be replaced."""
+def check_out(cfg: ScanConfig, out: Path, create: bool = True) -> Path:
+    """The output directory, proven writable (and created, with ``create``) before any engine
+    starts: a scan must not run for minutes to fail at its first write. One that holds a run
+    already is refused unless ``cfg.force`` (its files would be replaced) or ``cfg.resume``."""
     held = [name for name in (store.RUN_FILE, store.TOKENS_FILE) if (out / name).exists()]
-    if held and not cfg.force:
+    if held and not (cfg.force or cfg.resume):
         raise ProbeError(
             f"--out {out} holds a run already ({held[0]}); choose another directory, or give "
             "--force to replace its files"
         )
-    return store.writable_dir(out, "--out")
+    return store.writable_dir(out, "--out") if create else store.check_writable(out, "--out")
 
 
-def sample_and_rescore(
-    cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any, console: Any
-) -> tuple[list[RolloutRun], dict[Setting, Rescored]]:
-    """The engine and training stages: every rollout setting sampled (or scored on the first
-    setting's tokens with ``same_tokens``), the engines' output captured (``_engine_output``),
-    then every setting rescored (with the attribution rungs under ``--attribute``). Used by a
-    whole scan and by each shard of a sharded one."""
-    with _engine_output(cfg, console):
-        runs = [_generate(cfg, prep, r, timer, progress) for r in cfg.rollout_settings()]
-        if cfg.same_tokens:
-            _share_tokens(cfg, prep, runs, timer)
-    return runs, _rescore_all(cfg, prep, runs, timer, progress)
+def run_range(
+    cfg: ScanConfig, prep: Prepared, part: Part, timer: Timer, progress: Any, console: Any
+) -> dict[str, Any]:
+    """The engine and training stages on the prompts of ``part.bounds``, and its tables written
+    to ``part``: every rollout setting sampled (or scored on the first setting's tokens with
+    ``same_tokens``), then every setting rescored (with the attribution rungs under
+    ``--attribute``; routes for an MoE model). The whole scan is the one-range case; a shard of a
+    sharded scan is another.
+
+    Returns:
+        The range's record (a shard's ``_SUCCESS`` marker): prompts, rows, per-setting engine
+        runs, where each training-side model ran, timings, host and process.
+    """
+    first, stop = part.bounds
+    total = len(prep.prompts) * cfg.samples_per_prompt  # the whole scan's sequences per setting
+    rng = replace(prep, prompts=prep.prompts[first:stop])
+    runs = engines.run_engines(cfg, rng, timer, progress, console)
+    scored = rescoring.rescore_all(cfg, rng, runs, timer, progress)
+    assign_seq_ids(scored, total, first * cfg.samples_per_prompt)
+    attribution.train_step(cfg, rng, runs, scored, timer)  # nothing without --attribute
+    record = {
+        "shard": part.shard,
+        "prompts": list(part.bounds),
+        "sequences": sum(len(r.rollouts) for r in scored.values()),
+        "tokens": sum(len(x.response_ids) for r in scored.values() for x in r.rollouts),
+        "runs": [engine_run_record(r) for r in runs],
+        "train_device_map": dict(rng.train_devices),
+        "attribution_device_map": dict(rng.attribution_devices),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    with timer("writing"):
+        run = run_metadata(cfg, rng, runs, timer.seconds)
+        if part.shard is not None:
+            run["shard"] = record
+        write_tables(part.tokens, part.sequences, *store_tables(scored, prep.tokenizer), run)
+        routes.write_routing(part.routing, scored, prep.routing, run)  # no-op for a dense model
+    record["timings"] = dict(timer.seconds)
+    return record
 
 
-@contextmanager
-def _engine_output(cfg: ScanConfig, console: Any) -> Iterator[None]:
-    """The engines' output goes to a log file under the cache (named in an engine error), or
-    to the terminal with ``verbose``; ``console`` (the progress bars) stays on the terminal."""
-    if cfg.verbose:
-        yield
-        return
-    log = process.new_log_path(models.cache_dir() / "logs")
-    with process.captured(log) as terminal:
-        if not process.writes_to_fd(console.file, 2):
-            yield  # an in-memory console (tests) keeps its buffer
-            return
-        saved = console.file
-        console.file = terminal
-        try:
-            yield
-        finally:
-            console.file = saved
+def assign_seq_ids(scored: dict[Setting, Rescored], total: int, first: int) -> None:
+    """The one seq_id rule: setting ``i`` (in the scan's order, of those that ran) takes
+    ``[i * total, (i + 1) * total)``, and a range starting at sequence ``first`` of the whole
+    scan keeps its place in it, so a sharded store holds the same (setting, seq_id) rows as one
+    file.
+
+    Args:
+        scored: the range's settings in the scan's order (updated in place: ``seq_offset``).
+        total: sequences per setting in the whole scan (prompts x samples per prompt).
+        first: the range's first sequence (its first prompt x samples per prompt).
+    """
+    for i, rescored in enumerate(scored.values()):
+        rescored.seq_offset = i * total + first
 
 
-@contextmanager
-def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> Iterator[Any]:
-    """The setting's engine (set up for route capture for an MoE model), or ``None`` when the
-    backend cannot run the setting (recorded as a skip; an error with ``--strict``)."""
-    stack = ExitStack()
-    llm = None
-    try:
-        with timer("engine_start"):
-            rollout.check_supported(run.setting)
-            kwargs = rollout.engine_kwargs(
-                prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
-            )
-            run.engine_args = {**kwargs, **routes.engine_kwargs(prep.routing)}
-            env = {
-                **routes.engine_env(prep.routing),
-                **batch_invariant.engine_env(cfg.batch_invariant),
-            }
-            run.engine_env = rollout.engine_env(env, run.engine_args)
-            run.engine_mode = rollout.engine_mode(run.engine_env)
-            llm = stack.enter_context(rollout.engine(run.engine_args, run.engine_env))
-    except rollout.EngineStartError as exc:
-        stack.close()
-        if cfg.strict:
-            raise ProbeError(f"{run.setting.name}: {exc}") from None
-        run.skipped = str(exc)
-    try:
-        yield llm
-    finally:
-        with timer("engine_stop"):
-            stack.close()
+def engine_run_record(run: RolloutRun) -> dict[str, Any]:
+    """A rollout setting's engine run in a range: what ``run.json`` reports of it, and the tokens
+    it sampled (so throughput can be summed over ranges)."""
+    return {**run_record(run), "tokens": sum(len(r.response_ids) for r in run.rollouts)}
 
 
-def _generate(
-    cfg: ScanConfig, prep: Prepared, setting: RolloutSetting, timer: Timer, progress: Any
-) -> RolloutRun:
-    """Start this setting's engine and sample; a setting the backend can't run is skipped."""
-    run = RolloutRun(setting)
-    if cfg.same_tokens and setting != cfg.rollout_settings()[0]:
-        return run  # scored on the reference tokens by _share_tokens
-    total = len(prep.prompts) * cfg.samples_per_prompt
-    with _started(cfg, prep, run, timer) as llm:
-        if llm is None:
-            return run
-        start = time.perf_counter()
-        bar = vllm_progress(progress, f"gen {setting.name}", total)
-        with interrupt.stage("generation"):
-            run.rollouts = rollout.generate(
-                llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
-            )
-        run.generation_seconds = time.perf_counter() - start
-        timer.seconds["generation"] = timer.seconds.get("generation", 0.0) + run.generation_seconds
-        if cfg.attribute:
-            with timer("attribution_prefill"):
-                run.rungs = attribution.engine_rungs(llm, run.rollouts)
-        if prep.routing is not None and not cfg.same_tokens:
-            with timer("route_capture"):
-                run.routes = routes.capture(llm, run.rollouts, prep.routing)
-    return run
+def finish(
+    cfg: ScanConfig, prep: Prepared, records: list[dict[str, Any]], timer: Timer
+) -> ScanResult:
+    """The one finishing step, after every range has written its rows: the metrics of every
+    setting (computed once, streamed over the store), ``settings.json``, the MoE routing
+    metrics, the reports (handed the run metadata and the setting order in memory: nothing
+    reads a ``run.json`` an earlier run left), then ``run.json``."""
+    from mismatch_probe.report import load_report, write_outputs
+
+    out = prep.out_dir
+    runs, speed = merged_runs(cfg, records)
+    skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
+    present = [s for s in cfg.settings() if s.rollout.name not in skipped]
+    paths = {name: out / file for name, file in STORE_NAMES[cfg.sharded].items()}
+    with timer("metrics"):
+        results = setting_metrics(paths["tokens"], present)
+        flat = settings_json(paths, results, speed)
+        run = run_metadata(cfg, prep, runs, timer.seconds)
+        for entry, r in zip(run["rollouts"], runs, strict=True):  # throughput over the ranges
+            entry["tokens_per_s"] = speed[r.setting]
+        run.update(range_fields(cfg, records))
+        paths.update(routes.finish(out, prep.routing, present, run))  # no-op for a dense model
+    with timer("reports"):
+        computed = {s.name: m.to_json_dict() for s, m in results.items()}
+        order = [s.name for s in present]
+        report, entries = load_report(out, computed=computed, run=run, order=order)
+        paths.update(write_outputs(report, entries))
+    paths["run"] = out / store.RUN_FILE
+    run["timings"] = dict(timer.seconds)
+    with interrupt.stage("writing"):
+        store.write_json(paths["run"], run)
+    return ScanResult(out, paths, run, flat, skipped, report, entries)
 
 
-def _share_tokens(cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer: Timer) -> None:
-    """Score the reference setting's tokens in every engine (forced continuations)."""
-    reference = runs[0].rollouts
-    if not reference:
-        raise ProbeError(f"--same-tokens: the first setting did not run ({runs[0].skipped})")
-    for run in runs:
-        with _started(cfg, prep, run, timer) as llm:
-            if llm is None:
-                run.rollouts = []  # the reference's own sampled log-probs are not comparable
-                continue
-            with timer("forced_scoring"):
-                start = time.perf_counter()
-                scores = rollout.score_forced(llm, reference)
-                run.generation_seconds = time.perf_counter() - start
-            if cfg.attribute:
-                with timer("attribution_prefill"):
-                    run.rungs = attribution.engine_rungs(llm, reference)
-            if prep.routing is not None:
-                with timer("route_capture"):
-                    run.routes = routes.capture(llm, reference, prep.routing)
-        run.rollouts = [
-            replace(r, rollout_logprobs=lp) for r, lp in zip(reference, scores, strict=True)
-        ]
+def merged_runs(
+    cfg: ScanConfig, records: list[dict[str, Any]]
+) -> tuple[list[RolloutRun], dict[RolloutSetting, float]]:
+    """One ``RolloutRun`` per rollout setting over every range (generation seconds summed,
+    skipped when a range skipped it, the engine arguments of the first range that started an
+    engine) and each rollout setting's generation throughput (tokens/s over every range)."""
+    runs = {r.name: RolloutRun(r) for r in cfg.rollout_settings()}
+    tokens = dict.fromkeys(runs, 0)
+    for record in records:
+        for entry in record["runs"]:
+            run = runs[entry["setting"]]
+            run.generation_seconds += entry["generation_seconds"]
+            run.skipped = run.skipped or entry["skipped"]
+            tokens[entry["setting"]] += entry["tokens"]
+            if run.engine_mode is None and entry.get("engine_mode") is not None:
+                run.engine_args, run.engine_env = entry["engine_args"], entry["engine_env"]
+                run.engine_mode = entry["engine_mode"]
+    speed = {
+        r.setting: tokens[name] / r.generation_seconds if r.generation_seconds > 0 else 0.0
+        for name, r in runs.items()
+    }
+    return list(runs.values()), speed
 
 
-def _rescore_all(
-    cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer: Timer, progress: Any
-) -> dict[Setting, Rescored]:
-    """One training model per dtype rescores every rollout setting that ran, once per routing
-    replay mode."""
-    done = [r for r in runs if r.rollouts]
-    if not done:
-        reasons = "; ".join(f"{r.setting.name}: {r.skipped}" for r in runs)
-        raise ProbeError(f"no setting could run ({reasons})")
-    scored: dict[Setting, Rescored] = {}
-    for train_dtype in cfg.train_dtypes:
-        with timer("model_load"):
-            model = rescore.load_model(prep.model_dir, train_dtype, cfg.train_device_map)
-            prep.train_devices[train_dtype] = model.probe_device_map
-        for run, mode in itertools.product(done, cfg.routing_replay):
-            setting = Setting(run.setting, train_dtype, mode)
-            with timer("rescoring"):
-                scored[setting] = _rescore_one(cfg, prep, model, run, setting, progress)
-        del model
-    order = {s: i for i, s in enumerate(cfg.settings())}
-    ordered = dict(sorted(scored.items(), key=lambda item: order[item[0]]))
-    offset = 0
-    for rescored in ordered.values():  # each setting gets its own seq_id range
-        rescored.seq_offset, offset = offset, offset + len(rescored.rollouts)
-    if cfg.attribute:
-        with timer("attribution_rescoring"):
-            attribution.add_train_rungs(cfg, prep, done, ordered)
-    return ordered
-
-
-def _rescore_one(
-    cfg: ScanConfig, prep: Prepared, model: Any, run: RolloutRun, setting: Setting, progress: Any
-) -> Rescored:
-    requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in run.rollouts]
-    total = sum(len(r.response_ids) for r in run.rollouts)
-    task = progress.add_task(f"score {setting.name}", total=total, unit="tokens")
-    routing = routes.train_routing(model, requests, prep.routing, setting.replay, run.routes)
-    result = rescore.rescore(
-        model,
-        requests,
-        cfg.rescoring_spec(),
-        cfg.flip_eps_for(setting),
-        cfg.batch_tokens,
-        on_batch=partial(_advance, progress, task),
-        batch_context=routing.batch if routing else None,
-    )
-    return Rescored(run.rollouts, result, run.routes, routing.recorded if routing else None)
-
-
-def _advance(progress: Any, task: Any, n: int) -> None:
-    progress.update(task, advance=n)
+def range_fields(cfg: ScanConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``run.json`` says of the ranges: where each training-side model ran (one map per
+    shard in a sharded scan) and, sharded, each shard's record."""
+    if not cfg.sharded:
+        (record,) = records
+        return {key: record[key] for key in DEVICE_MAPS}
+    fields: dict[str, Any] = {
+        key: {f"shard={r['shard']}": r.get(key) for r in records} for key in DEVICE_MAPS
+    }
+    fields["shards"] = {"count": cfg.shards, "ray": cfg.ray, "records": records}
+    return fields
 
 
 def store_tables(scored: dict[Setting, Rescored], tokenizer: Any) -> tuple[pa.Table, pa.Table]:

@@ -1,16 +1,17 @@
 """Sharded scans: the prompts split into shards, each shard a scan of its own prompts.
 
-``probe scan --shards N`` cuts the prompts into N contiguous ranges. Each shard runs rollout and
-rescoring for its prompts (``run_shard``: the same stages as ``scan.run_scan``, same engine
-arguments, same per-request seeds) and writes its part of the store (``dataset``:
-``tokens/shard=K/part-0.parquet``, ``sequences/shard=K/part-0.parquet``, then the markers).
-Shards run one after another in this process, or as Ray tasks (``--ray``, ``raycluster``). The
-driver then streams the metrics over all parts and writes ``run.json`` and the reports.
+``probe scan --shards N`` cuts the prompts into N contiguous ranges. This module keeps only what
+is particular to shards: the plan, the record of a run and its ``--resume``, and the dispatch.
+Each shard is ``scan.run_range`` on its prompts (``run_shard``: the same stages as a whole scan,
+same engine arguments, same per-request seeds, same seq_id rule, ``scan.assign_seq_ids``) into
+its part of the store (``dataset``: ``tokens/shard=K/part-0.parquet``,
+``sequences/shard=K/part-0.parquet``, then the markers). Shards run one after another in this
+process, or as Ray tasks (``--ray``, ``raycluster``). The driver then runs the whole scan's
+finishing step (``scan.finish``: metrics streamed over all parts, reports, ``run.json``).
 
-Sequence ids are those of the unsharded scan: shard k's sequences start at
-``first_prompt * samples_per_prompt`` and each setting's at ``setting_index * total``, so a
-sharded store holds the same (setting, seq_id) rows as one file, and, seeds being per request,
-the same sampled tokens (up to the engine's batch variance: a shard batches fewer requests).
+Sequence ids are those of the unsharded scan, so a sharded store holds the same (setting,
+seq_id) rows as one file, and, seeds being per request, the same sampled tokens (up to the
+engine's batch variance: a shard batches fewer requests).
 
 ``shards.json`` records the options and the plan when the run starts; ``--resume`` refuses
 options that differ from it, skips shards whose ``_SUCCESS`` marker is present and redoes the
@@ -35,7 +36,8 @@ from mismatch_probe.engine import process
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.pipeline import scan
 from mismatch_probe.pipeline.config import ScanConfig
-from mismatch_probe.pipeline.records import RolloutRun, ScanResult
+from mismatch_probe.pipeline.records import ScanResult
+from mismatch_probe.pipeline.timing import Timer
 from mismatch_probe.store import dataset
 
 PLAN_FILE = "shards.json"
@@ -122,94 +124,69 @@ def _flat(options: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 @process.frozen_heap()  # as a whole scan: collections skip what existed before it
 def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) -> dict[str, Any]:
-    """Run one shard (rollout + rescoring of prompts ``bounds``) and write its parts.
+    """Run one shard (``scan.run_range`` on prompts ``bounds``) into its parts and mark it done.
 
     Runs in a Ray worker or in this process; everything it needs comes in its arguments.
 
     Returns:
         The shard's record (also its ``_SUCCESS`` marker): prompts, rows, per-setting runs,
-        timings, the training side's device map, host and process.
+        timings, the training side's device maps, host and process.
     """
     from rich.console import Console
 
-    from mismatch_probe.pipeline import routes
-    from mismatch_probe.pipeline.runinfo import run_metadata
     from mismatch_probe.progress import make_progress
 
-    tokens_dir, seq_dir = Path(out) / store.TOKENS_DIR, Path(out) / store.SEQUENCES_DIR
-    routing_dir = Path(out) / store.ROUTING_DIR
-    _reset(tokens_dir, seq_dir, routing_dir, shard)
-    timer = scan.Timer()
+    _reset(Path(out), shard)
+    part = shard_part(Path(out), shard, bounds)
+    timer = Timer()
     with timer("prepare"):
-        prep = scan.prepare(cfg)
-    first = bounds[0] * cfg.samples_per_prompt
-    total = len(prep.prompts) * cfg.samples_per_prompt
-    prep.prompts = prep.prompts[bounds[0] : bounds[1]]
+        prep = scan.prepare(cfg, out=False)  # the driver checked --out
     console = Console(stderr=True, quiet=True)
     with make_progress(console) as progress:
-        runs, scored = scan.sample_and_rescore(cfg, prep, timer, progress, console)
-    for i, rescored in enumerate(scored.values()):  # the unsharded scan's seq_ids
-        rescored.seq_offset = i * total + first
-    info = {
-        "shard": shard,
-        "prompts": list(bounds),
-        "sequences": sum(len(r.rollouts) for r in scored.values()),
-        "tokens": sum(len(x.response_ids) for r in scored.values() for x in r.rollouts),
-        "runs": [_run_record(r) for r in runs],
-        "train_device_map": dict(prep.train_devices),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-    }
-    with timer("writing"):
-        run = {**run_metadata(cfg, prep, runs, timer.seconds), "shard": info}
-        parts = dataset.part_path(tokens_dir, shard), dataset.part_path(seq_dir, shard)
-        scan.write_tables(*parts, *scan.store_tables(scored, prep.tokenizer), run)
-        if prep.routing is not None:
-            part = dataset.part_path(routing_dir, shard)
-            routes.write_routing(Path(out), scored, prep.routing, run, path=part)
-    info["timings"] = dict(timer.seconds)
-    if prep.routing is not None:
-        dataset.mark_done(routing_dir, shard, info)
-    dataset.mark_done(seq_dir, shard, info)
+        info = scan.run_range(cfg, prep, part, timer, progress, console)
+    for table_dir in (part.routing.parent.parent, part.sequences.parent.parent):
+        if dataset.shard_dir(table_dir, shard).is_dir():  # routing: an MoE model's only
+            dataset.mark_done(table_dir, shard, info)
+    tokens_dir = part.tokens.parent.parent
     dataset.mark_done(tokens_dir, shard, info)  # last: the shard counts as finished from here
     (dataset.shard_dir(tokens_dir, shard) / RUNNING).unlink(missing_ok=True)
     return info
 
 
-def _reset(tokens_dir: Path, seq_dir: Path, routing_dir: Path, shard: int) -> None:
+def shard_part(out: Path, shard: int, bounds: tuple[int, int]) -> scan.Part:
+    """Where shard ``shard``'s rows go: ``tokens/shard=K/part-0.parquet`` and its siblings
+    (the routing part's directory is made when an MoE model writes it)."""
+    tokens = dataset.part_path(out / store.TOKENS_DIR, shard)
+    sequences = dataset.part_path(out / store.SEQUENCES_DIR, shard)
+    routing = dataset.shard_dir(out / store.ROUTING_DIR, shard) / dataset.PART
+    return scan.Part(bounds, tokens, sequences, routing, shard=shard)
+
+
+def _reset(out: Path, shard: int) -> None:
     """Remove an earlier attempt's parts and say who runs the shard now (``_RUNNING``)."""
-    for table_dir in (tokens_dir, seq_dir, routing_dir):
-        shutil.rmtree(dataset.shard_dir(table_dir, shard), ignore_errors=True)
-    folder = dataset.shard_dir(tokens_dir, shard)
+    for name in (store.TOKENS_DIR, store.SEQUENCES_DIR, store.ROUTING_DIR):
+        shutil.rmtree(dataset.shard_dir(out / name, shard), ignore_errors=True)
+    folder = dataset.shard_dir(out / store.TOKENS_DIR, shard)
     folder.mkdir(parents=True, exist_ok=True)
     who = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
     store.write_json(folder / RUNNING, who)
 
 
-def _run_record(run: Any) -> dict[str, Any]:
-    return {
-        "setting": run.setting.name,
-        "skipped": run.skipped,
-        "generation_seconds": run.generation_seconds,
-        "tokens": sum(len(r.response_ids) for r in run.rollouts),
-    }
-
-
 def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
-    """``probe scan --shards N [--ray ADDRESS] [--resume]``."""
+    """``probe scan --shards N [--ray ADDRESS] [--resume]``: plan, record or resume, dispatch
+    the pending shards (here or on Ray), then ``scan.finish`` over every shard's record."""
     from contextlib import nullcontext
 
     from mismatch_probe.pipeline import raycluster
 
-    timer = scan.Timer()
+    timer = Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg)
-        out = cfg.out_dir(prep.model_dir.name)
+        out = prep.out_dir
         plan = plan_shards(len(prep.prompts), cfg.shards)
-    # Ray is joined before anything in --out is touched: a wrong address loses nothing.
+    # Ray is joined before anything in --out is replaced: a wrong address loses nothing.
     with raycluster.connected(cfg.ray) if cfg.ray is not None else nullcontext():
         with timer("prepare"):
-            out.mkdir(parents=True, exist_ok=True)
             done = start_or_resume(out, cfg, prep, plan)
         pending = [k for k in range(len(plan)) if k not in done]
         if done:
@@ -229,63 +206,5 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
                 for k in pending:
                     run_shard(worker_cfg, k, plan[k], str(out.resolve()))
                     console.print(f"shard {k} of {len(plan)} done", highlight=False)
-    return _finish(cfg, prep, out, timer)
-
-
-def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
-    """Metrics over every part, ``run.json`` (with each shard's record) and the reports."""
-    from mismatch_probe.pipeline import routes
-    from mismatch_probe.pipeline.runinfo import run_metadata
-    from mismatch_probe.report import load_report, write_outputs
-    from mismatch_probe.routing import store as routing_store
-
-    infos = dataset.done_shards(out / store.TOKENS_DIR)
-    runs, tokens = _merged_runs(cfg, infos)
-    skipped = {r.setting.name: r.skipped for r in runs if r.skipped}
-    present = [s for s in cfg.settings() if s.rollout.name not in skipped]
-    paths = {"tokens": out / store.TOKENS_DIR, "sequences": out / store.SEQUENCES_DIR}
-    speed = {r.setting: _rate(tokens, r) for r in runs}  # runs carry no rollouts here
-    with timer("metrics"):
-        results = scan.setting_metrics(paths["tokens"], present)  # streamed over all parts
-        flat = scan.settings_json(paths, results, speed)
-        if prep.routing is not None:
-            paths["routing"] = out / store.ROUTING_DIR
-            paths.update(routes.routing_outputs(out, present))
-    run = run_metadata(cfg, prep, runs, timer.seconds)
-    if prep.routing is not None:
-        shape, capture_path = prep.routing.shape, prep.routing.setup.capture_path
-        run["routing"] = routing_store.routing_metadata(shape, capture_path)
-    for record, r in zip(run["rollouts"], runs, strict=True):  # throughput from the shards
-        record["tokens_per_s"] = speed[r.setting]
-    run["train_device_map"] = {f"shard={k}": i.get("train_device_map") for k, i in infos.items()}
-    run["shards"] = {"count": cfg.shards, "ray": cfg.ray, "records": list(infos.values())}
-    paths["run"] = out / store.RUN_FILE
-    store.write_json(paths["run"], run)
-    with timer("reports"):
-        computed = {s.name: m.to_json_dict() for s, m in results.items()}
-        report, entries = load_report(out, computed=computed)
-        paths.update(write_outputs(report, entries))
-    run["timings"] = dict(timer.seconds)
-    store.write_json(paths["run"], run)
-    return ScanResult(out, paths, run, flat, skipped, report, entries)
-
-
-def _merged_runs(cfg: ScanConfig, infos: dict[int, Any]) -> tuple[list[Any], dict[str, int]]:
-    """One ``RolloutRun`` per rollout setting (generation seconds summed over shards, skipped
-    when a shard skipped it) and each setting's sampled tokens."""
-
-    runs = {r.name: RolloutRun(r) for r in cfg.rollout_settings()}
-    tokens = dict.fromkeys(runs, 0)
-    for info in infos.values():
-        for record in info["runs"]:
-            run = runs[record["setting"]]
-            run.generation_seconds += record["generation_seconds"]
-            run.skipped = run.skipped or record["skipped"]
-            tokens[record["setting"]] += record["tokens"]
-    return list(runs.values()), tokens
-
-
-def _rate(tokens: dict[str, int], run: RolloutRun) -> float:
-    """A rollout setting's generation tokens/s over every shard."""
-    seconds = run.generation_seconds
-    return tokens[run.setting.name] / seconds if seconds > 0 else 0.0
+    records = list(dataset.done_shards(out / store.TOKENS_DIR).values())
+    return scan.finish(cfg, prep, records, timer)

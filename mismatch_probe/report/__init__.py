@@ -48,6 +48,8 @@ def load_report(
     run_dir: Path,
     metrics_config: MetricsConfig | None = None,
     computed: Mapping[str, dict[str, Any]] | None = None,
+    run: dict[str, Any] | None = None,
+    order: list[str] | None = None,
 ) -> tuple[RunContext, list[Entry]]:
     """Load what a report shows: the run (its reference setting when the store holds several)
     and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
@@ -55,6 +57,10 @@ def load_report(
     Args:
         computed: setting name -> ``MetricsResult.to_json_dict()`` the caller already has (the
             scan's, default config): used instead of computing them again.
+        run: the run metadata, when the caller has it in memory (the scan's finishing step,
+            before it writes ``run.json``): nothing is read from a ``run.json`` on disk, which
+            may be an earlier run's.
+        order: the settings in the scan's order (first = the reference), with ``run``.
     """
     from mismatch_probe.report.settings import setting_entries, setting_names
 
@@ -64,12 +70,12 @@ def load_report(
             f"{run_dir} is a file; probe report takes a run directory "
             "(probe metrics reads a Parquet file)"
         )
-    names = setting_names(run_dir)
+    names = setting_names(run_dir, order)
     reference = names[0] if len(names) > 1 else None
     given = dict(computed or {})
     first = given.get(names[0]) if names else None
-    ctx = load_run(run_dir, metrics_config, reference, data=first)
-    return ctx, setting_entries(run_dir, metrics_config, given)
+    ctx = load_run(run_dir, metrics_config, reference, data=first, run=run)
+    return ctx, setting_entries(run_dir, metrics_config, given, names)
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
@@ -86,7 +92,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     from mismatch_probe.report.plots import write_plots
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
     from mismatch_probe.report.settings import settings_markdown
-    from mismatch_probe.report.trend import write_trend
+    from mismatch_probe.report.trend_plot import write_trend
 
     run_dir = store.writable_dir(ctx.run_dir, "run directory")
     paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}

@@ -94,6 +94,7 @@ def load_run(
     metrics_config: MetricsConfig | None = None,
     setting: str | None = None,
     data: dict[str, Any] | None = None,
+    run: dict[str, Any] | None = None,
 ) -> RunContext:
     """Load a run directory written by ``probe scan``.
 
@@ -106,6 +107,8 @@ def load_run(
             covers one setting of a store that holds several).
         data: the metrics (``MetricsResult.to_json_dict()``) when the caller has computed them
             already with ``metrics_config`` (default config when None): nothing is recomputed.
+        run: the run metadata when the caller has it (a scan finishing): ``run.json`` is not
+            read (an earlier run's may still be there).
 
     Raises:
         ProbeError: not a run directory, or an unreadable token store.
@@ -121,7 +124,7 @@ def load_run(
     curves = data["curves"]
     return RunContext(
         run_dir=run_dir,
-        run=_run_metadata(run_dir),
+        run=_run_metadata(run_dir) if run is None else run,
         metrics=flat,
         config=data["config"],
         curves=curves,

@@ -22,28 +22,33 @@ from mismatch_probe.report.markdown import escape, table
 from mismatch_probe.report.sections import visible
 
 
-def setting_names(run_dir: Path) -> list[str]:
-    """The settings in the token store, in the scan's order (first = the reference)."""
+def setting_names(run_dir: Path, order: list[str] | None = None) -> list[str]:
+    """The settings in the token store, in the scan's order (first = the reference): ``order``
+    when the caller knows it (a scan finishing), else ``run.json``'s, else sorted."""
     tokens = store.resolve_tokens_path(run_dir)
     if "setting" not in store.open_parquet(tokens).schema_arrow.names:
         return []
     present = pq.read_table(tokens, columns=["setting"]).column("setting").unique().to_pylist()
     if len(present) < 2:
         return present
-    order = _run_json(run_dir).get("settings") or sorted(present)
+    order = order or _run_json(run_dir).get("settings") or sorted(present)
     return [s for s in order if s in present] + [s for s in present if s not in order]
 
 
 def setting_entries(
-    run_dir: Path, metrics_config: Any = None, computed: dict[str, dict[str, Any]] | None = None
+    run_dir: Path,
+    metrics_config: Any = None,
+    computed: dict[str, dict[str, Any]] | None = None,
+    names: list[str] | None = None,
 ) -> list[Entry]:
     """One ``Entry`` per setting, least ``k3_kl`` first; [] for a single-setting run.
 
     ``computed``: setting name -> metrics already computed with ``metrics_config`` (default
-    config when None), reused instead of recomputed."""
+    config when None), reused instead of recomputed. ``names``: the settings (``setting_names``)
+    when the caller has them."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
 
-    names = setting_names(run_dir)
+    names = setting_names(run_dir) if names is None else names
     if len(names) < 2:
         return []
     speed = _throughput(run_dir)

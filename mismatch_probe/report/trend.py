@@ -239,20 +239,6 @@ def render_table(trend: Trend) -> Table:
     return table
 
 
-def write_trend(ctx: Any) -> tuple[str, Path | None]:
-    """The trend section of a loaded run (``report.RunContext``) and its plot; ``("", None)``
-    for a run without steps."""
-    trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
-    if trend is None:
-        return "", None
-    from mismatch_probe.report.trend_plot import write_trend_plot
-
-    plot_dir = ctx.run_dir / "plots"
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    plot = write_trend_plot(trend, plot_dir / f"{PLOT_NAME}.png", ctx.label)
-    return render_markdown(trend, plot, ctx.run_dir), plot
-
-
 def step_metrics(run_dir: Path, step: str) -> dict[str, float]:
     """One step's flat metrics (``"last"`` or a number): from ``steps.json``, else computed."""
     from mismatch_probe.metrics import compute_metrics

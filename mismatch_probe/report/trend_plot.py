@@ -1,19 +1,42 @@
 """``plots/trend.png``: the trend metrics against training step (log y, each with its
 threshold as a dashed line of its colour and its failing steps ringed in red), and below, the
-presets' token masked fractions. Built like ``report.plots`` (Agg ``Figure``, no pyplot)."""
+presets' token masked fractions. Built like ``report.plots`` (Agg ``Figure``, no pyplot).
+
+Imports ``trend`` (the trend's data and text), never the other way round: ``write_trend`` (the
+report's trend section with its plot) lives here."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from mismatch_probe import store
 from mismatch_probe.report.plots import DPI
-from mismatch_probe.report.trend import Trend, label, threshold_of
+from mismatch_probe.report.trend import (
+    PLOT_NAME,
+    Trend,
+    label,
+    load_trend,
+    render_markdown,
+    threshold_of,
+)
 
 FIGSIZE = (7.5, 6.0)
 OFFSET = {"token_mult_prob_error": 1.0}  # drawn as value - 1 (1.0 is identity) on a log axis
+
+
+def write_trend(ctx: Any) -> tuple[str, Path | None]:
+    """The trend section of a loaded run (``report.RunContext``) and its plot; ``("", None)``
+    for a run without steps."""
+    trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
+    if trend is None:
+        return "", None
+    plot_dir = ctx.run_dir / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plot = write_trend_plot(trend, plot_dir / f"{PLOT_NAME}.png", ctx.label)
+    return render_markdown(trend, plot, ctx.run_dir), plot
 
 
 def write_trend_plot(trend: Trend, path: Path, subtitle: str) -> Path:

@@ -21,6 +21,7 @@ This module knows nothing about vLLM or transformers; it writes and reads tables
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -160,6 +161,23 @@ def atomic(path: Path) -> Iterator[Path]:
 
 
 @contextmanager
+def atomic_files(folder: Path) -> Iterator[Path]:
+    """``atomic`` for several files written by one call (``save_pretrained``): yield a hidden
+    temporary directory inside ``folder`` to write them to; when the block completes each is
+    renamed to ``folder/<name>`` (other files of ``folder`` are kept), otherwise all are
+    removed."""
+    tmp = _tmp_path(folder / ".files")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for path in sorted(tmp.iterdir()):
+            os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
 def atomic_dir(
     path: Path, complete: Callable[[Path], bool], replace: bool = False
 ) -> Iterator[Path]:
@@ -239,6 +257,30 @@ def writable_dir(path: Path, what: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = _tmp_path(path / ".write-check")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ProbeError(f"{what}: cannot write to {path} ({os_error_reason(exc)})") from None
+    return path
+
+
+def check_writable(path: Path, what: str) -> Path:
+    """What ``writable_dir`` proves, without creating ``path``: it is a writable directory, or
+    the nearest of its parents that exists is one (proven by writing and removing a probe file
+    there). For the checks that run before anything else, so a failed command leaves nothing.
+
+    Raises:
+        ProbeError: one line naming ``what`` and the reason, as ``writable_dir``'s.
+    """
+    if path.exists() and not path.is_dir():
+        raise ProbeError(f"{what}: {path} is a file, not a directory")
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+        probe = _tmp_path(existing / ".write-check")
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

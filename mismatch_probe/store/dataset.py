@@ -21,7 +21,6 @@ This module knows only file names; ``store`` reads and writes the tables.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -46,14 +45,11 @@ def part_path(table_dir: Path, shard: int) -> Path:
 
 
 def mark_done(table_dir: Path, shard: int, info: dict[str, Any]) -> None:
-    """Write the shard's ``_SUCCESS`` marker (atomically: temporary name, then rename)."""
-    path = shard_dir(table_dir, shard) / MARKER
-    tmp = path.with_name(f".{MARKER}.partial-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(info, sort_keys=True, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write the shard's ``_SUCCESS`` marker (atomically: ``store.write_text``)."""
+    from mismatch_probe.store import write_text
+
+    text = json.dumps(info, sort_keys=True, default=str) + "\n"
+    write_text(shard_dir(table_dir, shard) / MARKER, text)
 
 
 def shards(table_dir: Path) -> dict[int, Path]:
