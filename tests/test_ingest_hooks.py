@@ -384,6 +384,28 @@ def test_verl_v1_hook_on_transfer_queue_fields(tmp_path: Path) -> None:
     assert "trainer_mode=sync" in run["off_policy"]["source"]
 
 
+def test_verl_v1_equal_length_samples_and_mismatched_tags(tmp_path: Path) -> None:
+    """``list_of_dict_to_tensordict`` stacks equal-length samples densely instead of jagged:
+    the same rows come out; tags that do not match the samples are one line."""
+    import torch
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    samples = [
+        {"responses": torch.tensor([3, 4]), "response_mask": torch.tensor([1, 0]),
+         "rollout_log_probs": torch.tensor([-1.0, 0.0]),
+         "old_log_probs": torch.tensor([-1.5, -9.0]), "uid": f"u{i}"}
+        for i in range(2)
+    ]  # fmt: skip
+    data = list_of_dict_to_tensordict(samples)
+    assert not data["responses"].is_nested
+    writer = ProbeWriter(tmp_path / "logs")
+    table = pq.read_table(writer.write_verl_v1(1, KVBatchMeta(["a", "b"], [{}, {}]), data))
+    assert table.column("train_logprob").to_pylist() == [-1.5, -1.5]
+    assert table.column("group").to_pylist() == ["u0", "u1"]
+    with pytest.raises(ProbeError, match="1 tags for 2 samples"):
+        writer.write_verl_v1(1, KVBatchMeta(["a"], [{}]), data)
+
+
 def test_verl_dump_recipe_with_a_real_data_proto(tmp_path: Path) -> None:
     """The README's ``save_to_disk`` recipe on verl's own ``DataProto``, read by ``verl-dp``."""
     rollout, train = _logps(3)

@@ -133,14 +133,16 @@ def _rows(value: Any) -> list[Any]:
 
 
 def verl_v1_rows(
-    data: Any, keep: list[int]
+    data: Any, tags: list[dict[str, Any]]
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], list[str] | None]:
     """``(responses, response_mask, rollout_log_probs, old_log_probs)`` as right-padded
-    ``[B', T]`` arrays and the ``[B']`` uids, of the rows ``keep`` of the ``TensorDict``
-    TransferQueue returns for a V1 batch (jagged ``[B, R_i]`` fields).
+    ``[B', T]`` arrays and the ``[B']`` uids of a V1 batch: the ``TensorDict`` TransferQueue
+    returns (jagged ``[B, R_i]`` fields) and the batch's ``[B]`` tags, whose ``is_padding``
+    samples (added by verl to divide the batch evenly) are left out.
 
     Raises:
-        ProbeError: a field is missing or a sample's fields differ in length.
+        ProbeError: a field is missing, the tags do not match the samples, or a sample's
+            fields differ in length.
     """
     keys = list(data.keys())
     missing = [k for k in ("responses", "response_mask", "old_log_probs") if k not in keys]
@@ -150,6 +152,9 @@ def verl_v1_rows(
         raise ProbeError(f"verl V1 batch lacks {', '.join(missing)} (fields: {', '.join(keys)})")
     names = ("responses", "response_mask", "rollout_log_probs", "old_log_probs")
     rows = {k: _rows(data[k]) for k in names}
+    if len(tags) != len(rows["responses"]):
+        raise ProbeError(f"verl V1 batch: {len(tags)} tags for {len(rows['responses'])} samples")
+    keep = [i for i, tag in enumerate(tags) if not (tag or {}).get("is_padding")]
     width = max((len(r) for r in rows["responses"]), default=0)
     out = []
     for k, dtype in zip(names, (np.int64, np.float64, np.float64, np.float64), strict=True):

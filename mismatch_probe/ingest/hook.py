@@ -203,8 +203,7 @@ class ProbeWriter:
             data = tq.kv_batch_get(
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=list(VERL_V1_FIELDS)
             )
-        keep = [i for i, tag in enumerate(batch.tags) if not (tag or {}).get("is_padding")]
-        (responses, mask, rollout, old), uids = frameworks.verl_v1_rows(data, keep)
+        (responses, mask, rollout, old), uids = frameworks.verl_v1_rows(data, batch.tags)
         return self.write_step(step, responses, mask, rollout, old, group=uids)
 
     # --- the writer --------------------------------------------------------------------------
