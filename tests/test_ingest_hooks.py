@@ -1,8 +1,8 @@
 """The framework hooks against the real frameworks: TRL 1.16's ``GRPOTrainer`` runs a few CPU
-steps with the README's hook (tool spans in the completions, evaluation on), and verl 0.9.1's
-own objects (``DataProto``, the jagged ``TensorDict`` its V1 trainer keeps in TransferQueue, its
-padding rows, its default config) go through the hooks' writer calls; ``probe ingest probe``
-reads what they wrote.
+steps with the README's hook (its code block; tool spans in the completions, evaluation on),
+and verl 0.9.1's own objects (``DataProto``, the jagged ``TensorDict`` its V1 trainer keeps in
+TransferQueue, its padding rows, its default config) go through the hooks' writer calls;
+``probe ingest probe`` reads what they wrote.
 
 verl's trainer modules import GPU-side packages this machine lacks (``transfer_queue``,
 ``codetiming``), so the trainers themselves are not built: the objects they hold are, with
@@ -13,6 +13,10 @@ carry the real qualified names.
 from __future__ import annotations
 
 import json
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,19 +97,37 @@ class TrlRun:
     batches: list[tuple[bool, int, dict]] = field(default_factory=list)  # (training, step, out)
 
 
-def _trainer(model: Path, root: Path, run: TrlRun | None, **kw: Any) -> Any:
-    import os
+def readme_block(marker: str) -> str:
+    """The README's ```python block holding ``marker``."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b)
 
+
+@contextmanager
+def working_dir(path: Path) -> Iterator[None]:
+    path.mkdir(parents=True, exist_ok=True)
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def _trainer(model: Path, run: TrlRun | None, **kw: Any) -> Any:
+    """The README's ``ProbeGRPOTrainer`` (its code block, executed), recording each output
+    for the checks; it writes ``probe_logs`` in the working directory."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
-    class ProbeGRPOTrainer(GRPOTrainer):  # the README's hook, plus a copy for the checks
+    namespace: dict[str, Any] = {}
+    exec(readme_block("class ProbeGRPOTrainer"), namespace)
+
+    class Recording(namespace["ProbeGRPOTrainer"]):
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
-            self.probe = getattr(self, "probe", None) or ProbeWriter.for_trl(self, root)
-            self.probe.write_trl(self, output)
             if run is not None:
                 copy = {k: v.clone() if hasattr(v, "clone") else v for k, v in output.items()}
                 run.batches.append((self.model.training, self.state.global_step, copy))
@@ -115,14 +137,14 @@ def _trainer(model: Path, root: Path, run: TrlRun | None, **kw: Any) -> Any:
     prompts = ["The quick brown fox", "Two plus two equals", "def add(a, b):", "Solve for x:"]
     data = Dataset.from_dict({"prompt": prompts})
     args = GRPOConfig(
-        output_dir=str(root.parent / "trl-out"), per_device_train_batch_size=4,
+        output_dir="trl-out", per_device_train_batch_size=4,
         num_generations=2, steps_per_generation=2, gradient_accumulation_steps=1,
         max_completion_length=16, report_to=[], use_cpu=True, save_strategy="no",
         logging_steps=100, disable_tqdm=True, bf16=False, seed=0, gradient_checkpointing=False,
         **kw,
     )  # fmt: skip
     reward = lambda completions, **_: [float(len(c)) for c in completions]  # noqa: E731
-    return ProbeGRPOTrainer(
+    return Recording(
         model=str(model), reward_funcs=[reward],
         args=args, train_dataset=data, eval_dataset=data.select(range(2)),
         processing_class=tokenizer,
@@ -137,10 +159,11 @@ def trl_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> TrlRu
     import torch
 
     torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("trl") / "probe_logs"
-    run = TrlRun(root)
-    _trainer(tiny_model, root, run, max_steps=4, eval_strategy="steps", eval_steps=1,
-             per_device_eval_batch_size=2).train()  # fmt: skip
+    work = tmp_path_factory.mktemp("trl")
+    run = TrlRun(work / "probe_logs")
+    with working_dir(work):
+        _trainer(tiny_model, run, max_steps=4, eval_strategy="steps", eval_steps=1,
+                 per_device_eval_batch_size=2).train()  # fmt: skip
     return run
 
 
@@ -209,10 +232,11 @@ def test_trl_ingest_is_on_policy_and_the_identity(trl_run: TrlRun, tmp_path: Pat
 
 def test_trl_without_sampling_log_probs_stops_training(tiny_model: Path, tmp_path: Path) -> None:
     """Without vLLM TRL keeps no sampling log-probs: the hook stops the run with one line."""
-    trainer = _trainer(tiny_model, tmp_path / "logs", None, max_steps=1)
-    with pytest.raises(ProbeError, match="vllm_importance_sampling_correction=True"):
-        trainer.train()
-    assert not (tmp_path / "logs").exists()
+    with working_dir(tmp_path):
+        trainer = _trainer(tiny_model, None, max_steps=1)
+        with pytest.raises(ProbeError, match="vllm_importance_sampling_correction=True"):
+            trainer.train()
+    assert not (tmp_path / "probe_logs").exists()
 
 
 # --- verl: the objects its trainers hold -------------------------------------------------------
@@ -419,6 +443,27 @@ def test_verl_dump_recipe_with_a_real_data_proto(tmp_path: Path) -> None:
     expect = _expected(rollout, train)
     assert table.column("rollout_logprob").to_pylist() == expect["rollout"]
     assert table.column("train_logprob").to_pylist() == expect["train"]
+
+
+def test_the_readme_verl_script_calls_what_probe_has() -> None:
+    """The README's ``probe_verl.py`` compiles and calls only ``ProbeWriter`` methods that exist
+    (verl's ``main_ppo`` needs Hydra and TransferQueue, absent here, so it is not run)."""
+    import ast
+
+    source = readme_block("class ProbeTaskRunnerV1")
+    tree = ast.parse(source)
+    compile(tree, "probe_verl.py", "exec")
+    called = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "ProbeWriter")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "probe")
+        )
+    }
+    assert called == {"for_verl", "write_verl", "write_verl_v1"}
+    assert all(callable(getattr(ProbeWriter, name)) for name in called)
 
 
 # --- verl: the checks that keep a hook from writing nothing, or the wrong thing ----------------
