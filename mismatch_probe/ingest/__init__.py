@@ -11,7 +11,8 @@ Public API::
 Module map: ``records`` (the common ``SeqRecord``, config, shared checks), one reader per
 format (``prime_rl``, ``nemo_rl``, ``slime``, ``miles``, ``verl_dp``, ``skyrl``,
 ``probe_format``) behind the table in ``formats``, ``pickles`` (the restricted unpickler of the
-pickle-based dumps), ``hook`` (``ProbeWriter``, the writer half of the verl/TRL hooks), ``writer``
+pickle-based dumps), ``hook`` (``ProbeWriter``, the writer half of the verl/TRL hooks) and
+``frameworks`` (what the hooks know of TRL and verl: bounds, config checks, V1 fields), ``writer``
 (streaming token store), ``rescoring`` (the training side of rollout-only formats), ``run``
 (the pipeline). Readers know nothing about metrics or reports.
 """

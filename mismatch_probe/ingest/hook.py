@@ -2,21 +2,34 @@
 
 A training loop calls ``ProbeWriter.write_step`` once per batch with the batch's response
 tokens, their mask, the engine's and the trainer's log-probs, each ``[B, T]`` (torch tensors or
-numpy arrays); ``write_verl`` and ``write_trl`` take the objects those trainers hold at the
-point the README's hooks run. ``probe ingest probe DIR`` reads the result.
+numpy arrays). ``write_trl`` and ``write_verl`` / ``write_verl_v1`` take the objects those
+trainers hold where the README's hooks run; ``ProbeWriter.for_trl`` / ``for_verl`` build a
+writer from the trainer itself (rank, off-policy bound, the checks that would otherwise make a
+hook write nothing, or the wrong thing, silently). ``probe ingest probe DIR`` reads the result.
 
 Layout: ``DIR/step_<N>/rank_<R>_<K>.parquet``, one file per call (``K`` counts the calls of one
 writer), written under a hidden name and renamed when complete, so a reader never sees half a
-file. One row per trained token (``PROBE_SCHEMA``): ``step, sequence`` (row of the batch),
-``group`` (prompt key, e.g. verl's ``uid``; null when unknown), ``position`` (in the response),
-``token_id``, ``rollout_logprob``, ``train_logprob`` (null where non-finite). The file's
-key-value metadata names the format and version, and the off-policy bound when given.
+file; a batch without any trained token still gets its (empty) file, and each file records
+its batch's row count, so the ingest can report responses and steps without a trained token.
+One row per trained token (``PROBE_SCHEMA``): ``step``, ``sequence`` (row of the batch),
+``group`` (prompt key: verl's ``uid``, a hash of TRL's prompt ids; null when unknown),
+``position`` (in the response, counting every token: tool output between two turns keeps its
+positions, so runs of trained positions are the turns), ``token_id``, ``rollout_logprob``,
+``train_logprob`` (null where non-finite). The file's key-value metadata names the format and
+version and, when known, the off-policy bound, whether rollouts can be stale, and where that
+came from.
 
-This module needs numpy and pyarrow only; torch tensors are converted with ``.detach().cpu()``.
+This module needs numpy and pyarrow only (``write_verl_v1`` imports ``transfer_queue``, which
+verl's V1 trainer runs on, when it is not given the data); torch tensors are converted with
+``.detach().cpu()``. It never imports TRL or verl: it reads the attributes and keys named below
+(checked against TRL 1.16.0 ``trl/trainer/grpo_trainer.py`` and verl 0.9.1
+``verl/trainer/ppo/ray_trainer.py``, ``verl/trainer/ppo/v1/trainer_base.py``,
+``verl/trainer/ppo/v1/agent_loop_tq.py``, ``verl/trainer/ppo/padding_utils.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,12 +40,16 @@ import pyarrow.parquet as pq
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest import frameworks
 
 FORMAT_NAME = "probe-tokens"
 FORMAT_VERSION = "1"
 FORMAT_KEY = b"mismatch_probe.format"
 VERSION_KEY = b"mismatch_probe.format_version"
 OFF_POLICY_KEY = b"mismatch_probe.max_off_policy_steps"
+STALENESS_KEY = b"mismatch_probe.staleness"  # "true"/"false": rollouts may lag the trainer
+OFF_POLICY_SOURCE_KEY = b"mismatch_probe.off_policy_source"  # where the two above came from
+ROWS_KEY = b"mismatch_probe.rows"  # rows of the batch, trained or not (B of the [B, T] arrays)
 
 PROBE_SCHEMA = pa.schema(
     [
@@ -45,6 +62,9 @@ PROBE_SCHEMA = pa.schema(
         pa.field("train_logprob", pa.float32()),  # trainer, same token; null where non-finite
     ]
 )
+
+# verl V1: what ``_compute_old_log_prob`` leaves in TransferQueue for each sample.
+VERL_V1_FIELDS = ("responses", "response_mask", "rollout_log_probs", "old_log_probs", "uid")
 
 
 def to_numpy(x: Any, dtype: Any) -> np.ndarray:
@@ -62,13 +82,22 @@ class ProbeWriter:
     Args:
         root: the directory ``probe ingest probe`` reads.
         rank: this process's rank (several processes may write the same step).
-        max_off_policy_steps: how many policy versions a rollout may lag behind the trainer
-            (0 for on-policy training), recorded so the report can say whether the ratio
-            includes staleness; None when unknown.
+        max_off_policy_steps: how many policy versions a rollout may lag behind the trainer's
+            log-probs (0: both sides come from the same weights), recorded so the report can
+            say whether the ratio includes staleness; None when unknown.
+        staleness: whether rollouts can be older than the trainer's weights (None: derived
+            from ``max_off_policy_steps``; True with an unknown bound for asynchronous
+            trainers that set none).
+        off_policy_source: where the bound comes from, for the report.
     """
 
     def __init__(
-        self, root: Path | str, rank: int = 0, max_off_policy_steps: int | None = None
+        self,
+        root: Path | str,
+        rank: int = 0,
+        max_off_policy_steps: int | None = None,
+        staleness: bool | None = None,
+        off_policy_source: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.rank = rank
@@ -76,7 +105,108 @@ class ProbeWriter:
         meta = {FORMAT_KEY: FORMAT_NAME.encode(), VERSION_KEY: FORMAT_VERSION.encode()}
         if max_off_policy_steps is not None:
             meta[OFF_POLICY_KEY] = str(int(max_off_policy_steps)).encode()
+            staleness = max_off_policy_steps > 0 if staleness is None else staleness
+        if staleness is not None:
+            meta[STALENESS_KEY] = b"true" if staleness else b"false"
+        if off_policy_source:
+            meta[OFF_POLICY_SOURCE_KEY] = off_policy_source.encode()
         self.schema = PROBE_SCHEMA.with_metadata(meta)
+
+    # --- building a writer from a trainer --------------------------------------------------
+
+    @classmethod
+    def for_trl(cls, trainer: Any, root: Path | str) -> ProbeWriter:
+        """The writer of a TRL ``GRPOTrainer``: its process rank, and bound 0 (TRL computes
+        ``old_per_token_logps`` right after generation, with the weights that sampled)."""
+        return cls(root, rank=int(trainer.accelerator.process_index), **frameworks.TRL_BOUND)
+
+    @classmethod
+    def for_verl(cls, trainer: Any, root: Path | str) -> ProbeWriter:
+        """The writer of a verl trainer (legacy ``RayPPOTrainer`` or a V1 ``PPOTrainer``),
+        built in its ``__init__``: refuses a configuration under which the hook would write
+        nothing or compare the rollout log-probs with themselves, and takes the off-policy bound
+        from the trainer class and config (``frameworks.verl_off_policy``).
+
+        Raises:
+            ProbeError: ``root`` is relative (verl runs the trainer in a Ray actor whose working
+                directory is not yours), rollout log-probs are off, or bypass mode is on.
+        """
+        if not Path(root).is_absolute():
+            raise ProbeError(
+                f"ProbeWriter.for_verl: {root} is relative; verl runs the trainer in a Ray actor "
+                "with another working directory, so give an absolute directory"
+            )
+        frameworks.check_verl_config(trainer.config)
+        return cls(root, rank=0, **frameworks.verl_off_policy(trainer))
+
+    # --- the framework hooks ---------------------------------------------------------------
+
+    def write_trl(self, trainer: Any, output: Mapping[str, Any]) -> Path | None:
+        """TRL: the dict ``GRPOTrainer._generate_and_score_completions`` returns.
+
+        Trained tokens are TRL's loss mask, ``completion_mask * tool_mask`` (tool results carry
+        a sampling log-prob of 0.0 and are not trained on; their positions stay as context).
+        Evaluation batches (the same method, with ``trainer.model.training`` False) are not
+        written: returns None. The step is ``trainer.state.global_step`` at generation; the
+        group is a hash of each row's prompt ids.
+
+        Raises:
+            ProbeError: the dict lacks either log-prob tensor (see the message for the config).
+        """
+        if not trainer.model.training:
+            return None
+        if "sampling_per_token_logps" not in output or "old_per_token_logps" not in output:
+            raise ProbeError(
+                "TRL output lacks sampling_per_token_logps/old_per_token_logps: "
+                "use_vllm=True with vllm_importance_sampling_correction=True records both"
+            )
+        mask = to_numpy(output["completion_mask"], np.float64)
+        if output.get("tool_mask") is not None:
+            mask = mask * to_numpy(output["tool_mask"], np.float64)
+        group = None
+        if output.get("prompt_ids") is not None:
+            group = prompt_groups(output["prompt_ids"], output.get("prompt_mask"))
+        return self.write_step(
+            int(trainer.state.global_step),
+            output["completion_ids"],
+            mask,
+            output["sampling_per_token_logps"],
+            output["old_per_token_logps"],
+            group=group,
+        )
+
+    def write_verl(self, step: int, batch: Any, old_log_prob: Any) -> Path:
+        """verl legacy trainer (``trainer.use_v1=False``): the ``DataProto`` given to
+        ``RayPPOTrainer._compute_old_log_prob`` and the ``DataProto`` it returns."""
+        tensors: Mapping[str, Any] = batch.batch
+        if "rollout_log_probs" not in tensors:
+            raise ProbeError(frameworks.VERL_NO_ROLLOUT_LOGPROBS)
+        return self.write_step(
+            step,
+            tensors["responses"],
+            tensors["response_mask"],
+            tensors["rollout_log_probs"],
+            old_log_prob.batch["old_log_probs"],
+            group=batch.non_tensor_batch.get("uid"),
+        )
+
+    def write_verl_v1(self, step: int, batch: Any, data: Any = None) -> Path:
+        """verl V1 trainer (``trainer.use_v1=True``, the default): the ``KVBatchMeta`` that
+        ``PPOTrainer._compute_old_log_prob`` returns. The samples' fields are read from
+        TransferQueue (``VERL_V1_FIELDS``), or taken from ``data``: the ``TensorDict`` that
+        ``transfer_queue.kv_batch_get`` returns (jagged ``[B, R_i]`` fields, ``uid`` non-tensor).
+        Rows verl added to make the batch divisible (tag ``is_padding``) are left out.
+        """
+        if data is None:
+            import transfer_queue as tq
+
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=list(VERL_V1_FIELDS)
+            )
+        (responses, mask, rollout, old), uids = frameworks.verl_v1_rows(data, batch.tags)
+        return self.write_step(step, responses, mask, rollout, old, group=uids)
+
+    # --- the writer --------------------------------------------------------------------------
 
     def write_step(
         self,
@@ -120,36 +250,8 @@ class ProbeWriter:
             },
             schema=self.schema,
         )
-        return self._write(int(step), table)
-
-    def write_verl(self, step: int, batch: Any, old_log_prob: Any) -> Path:
-        """verl: the ``DataProto`` after ``_compute_old_log_prob`` (``batch``) and its result."""
-        tensors: Mapping[str, Any] = batch.batch
-        if "rollout_log_probs" not in tensors:
-            raise ProbeError("verl batch has no rollout_log_probs: set rollout calculate_log_probs")
-        return self.write_step(
-            step,
-            tensors["responses"],
-            tensors["response_mask"],
-            tensors["rollout_log_probs"],
-            old_log_prob.batch["old_log_probs"],
-            group=batch.non_tensor_batch.get("uid"),
-        )
-
-    def write_trl(self, step: int, output: Mapping[str, Any]) -> Path:
-        """TRL: the dict ``GRPOTrainer._generate_and_score_completions`` returns."""
-        if "sampling_per_token_logps" not in output or "old_per_token_logps" not in output:
-            raise ProbeError(
-                "TRL output lacks sampling_per_token_logps/old_per_token_logps: "
-                "use_vllm=True with vllm_importance_sampling_correction=True records both"
-            )
-        return self.write_step(
-            step,
-            output["completion_ids"],
-            output["completion_mask"],
-            output["sampling_per_token_logps"],
-            output["old_per_token_logps"],
-        )
+        meta = {**(self.schema.metadata or {}), ROWS_KEY: str(tokens.shape[0]).encode()}
+        return self._write(int(step), table.replace_schema_metadata(meta))
 
     def _write(self, step: int, table: pa.Table) -> Path:
         directory = self.root / f"step_{step}"
@@ -162,6 +264,15 @@ class ProbeWriter:
         with store.atomic(path) as tmp:
             pq.write_table(table, tmp, compression="zstd")
         return path
+
+
+def prompt_groups(prompt_ids: Any, prompt_mask: Any = None) -> list[str]:
+    """``[B]`` group keys of ``[B, P]`` (left-padded) prompt ids: a short hash of each row's
+    ids under ``prompt_mask`` (all ids without one), so the ``num_generations`` responses to a
+    prompt share a key."""
+    ids = to_numpy(prompt_ids, np.int64)
+    mask = np.ones(ids.shape, bool) if prompt_mask is None else to_numpy(prompt_mask, np.int64) != 0
+    return [hashlib.sha1(r[m].tobytes()).hexdigest()[:16] for r, m in zip(ids, mask, strict=True)]
 
 
 def _nullable(values: np.ndarray) -> pa.Array:

@@ -1,7 +1,9 @@
 """Reader of our own token schema (format ``probe``), written by ``ingest.hook.ProbeWriter``.
 
 ``DIR/step_<N>/*.parquet``, rows of a sequence contiguous (the writer writes row-major);
-read ``ROWS_PER_READ`` rows at a time, the last, maybe incomplete, sequence carried over.
+read ``ROWS_PER_READ`` rows at a time, the last, maybe incomplete, sequence carried over. The
+batch rows a file's metadata counts (``ROWS_KEY``) but that hold no trained token come out as
+empty records, so a step whose batch trained on nothing is reported, not silently dropped.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from mismatch_probe.ingest.hook import (
     FORMAT_NAME,
     FORMAT_VERSION,
     OFF_POLICY_KEY,
+    OFF_POLICY_SOURCE_KEY,
     PROBE_SCHEMA,
+    ROWS_KEY,
+    STALENESS_KEY,
     VERSION_KEY,
 )
 from mismatch_probe.ingest.records import SeqRecord, StepRange
@@ -66,11 +71,13 @@ def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
     for step, file in step_files(path, steps):
         pf = _open(file)
         carry: pa.Table | None = None
+        seen: set[int] = set()
         try:
             for batch in pf.iter_batches(ROWS_PER_READ, columns=PROBE_SCHEMA.names):
                 table = pa.Table.from_batches([batch])
                 table = pa.concat_tables([carry, table]) if carry is not None else table
                 seq = table.column("sequence").to_numpy()
+                seen.update(np.unique(seq).tolist())
                 tail = _last_run_start(seq)
                 yield from _records(table.slice(0, tail), step, file)
                 carry = table.slice(tail)
@@ -78,6 +85,15 @@ def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
             raise ProbeError(f"{file} is corrupt ({exc})") from None
         if carry is not None and carry.num_rows:
             yield from _records(carry, step, file)
+        yield from _untrained(pf, seen, step, file)
+
+
+def _untrained(pf: pq.ParquetFile, seen: set[int], step: int, file: Path) -> Iterator[SeqRecord]:
+    """An empty record per batch row (``ROWS_KEY``) that holds no trained token."""
+    rows = int((pf.schema_arrow.metadata or {}).get(ROWS_KEY, b"0"))
+    empty = np.zeros(0, np.int64)
+    for i in sorted(set(range(rows)) - seen):
+        yield SeqRecord(step, f"{file} sequence {i}", None, empty, empty, empty * 0.0, empty * 0.0)
 
 
 def _last_run_start(seq: np.ndarray) -> int:
@@ -112,10 +128,15 @@ def _records(table: pa.Table, step: int, file: Path) -> Iterator[SeqRecord]:
 
 
 def off_policy(path: Path) -> dict[str, Any]:
-    """The bound ``ProbeWriter`` recorded in the first file, if any."""
+    """The bound, staleness and source ``ProbeWriter`` recorded in the first file, if any."""
     files = step_files(path, StepRange())
     meta = _open(files[0][1]).schema_arrow.metadata or {}
-    if OFF_POLICY_KEY in meta:
-        value = int(meta[OFF_POLICY_KEY])
-        return {"max_off_policy_steps": value, "source": "ProbeWriter", "staleness": value > 0}
-    return {"max_off_policy_steps": None, "source": "not given to ProbeWriter", "staleness": None}
+    bound = int(meta[OFF_POLICY_KEY]) if OFF_POLICY_KEY in meta else None
+    stale = {b"true": True, b"false": False}.get(meta.get(STALENESS_KEY, b""))
+    if stale is None and bound is not None:
+        stale = bound > 0
+    given = bound is not None or stale is not None
+    source = meta.get(OFF_POLICY_SOURCE_KEY, b"").decode() or (
+        "ProbeWriter" if given else "not given to ProbeWriter"
+    )
+    return {"max_off_policy_steps": bound, "source": source, "staleness": stale}

@@ -173,4 +173,5 @@ def _counts(c: Counts) -> dict[str, Any]:
         "tokens": c.tokens,
         "null_logprobs": c.null_logprobs,
         "empty_sequences_skipped": c.empty_sequences,
+        "steps_without_trained_tokens": c.steps_without_tokens,
     }

@@ -58,6 +58,7 @@ class Counts:
     tokens: int = 0
     null_logprobs: int = 0  # tokens with a non-finite log-prob on either side (not counted)
     empty_sequences: int = 0  # sequences with no trained token (e.g. slime's removed samples)
+    steps_without_tokens: list[int] = field(default_factory=list)  # read, but nothing trained
 
 
 class RunStoreWriter:
@@ -80,10 +81,12 @@ class RunStoreWriter:
         self.samples: dict[int, int] = {}  # this step's prompt_id -> responses so far
         self.next_prompt = 0
         self.counts = Counts()
+        self.empty_steps: set[int] = set()  # steps with an empty record
 
     def add(self, record: SeqRecord) -> None:
         if len(record.token_ids) == 0:
             self.counts.empty_sequences += 1
+            self.empty_steps.add(record.step)
             return
         steps = self.counts.steps
         if steps and record.step != steps[-1]:
@@ -160,6 +163,7 @@ class RunStoreWriter:
 
     def close(self) -> Counts:
         self.flush()
+        self.counts.steps_without_tokens = sorted(self.empty_steps - set(self.counts.steps))
         self.tokens.close()
         self.seqs.close()
         return self.counts

@@ -154,6 +154,15 @@ def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) ->
     ]
 
 
+def steps_cell(counts: dict[str, Any]) -> str:
+    """``3 (1..4)``, plus the steps read whose batches trained on no token."""
+    text = f"{counts.get('steps', '?')} ({counts.get('first_step')}..{counts.get('last_step')})"
+    untrained = counts.get("steps_without_trained_tokens") or []
+    if untrained:
+        text += f"; no trained token at step {', '.join(str(s) for s in untrained)}"
+    return text
+
+
 def ingest_rows(run: dict[str, Any], metrics: dict[str, float]) -> list[tuple]:
     """What an ingested run measured: the framework's logs, steps and log-prob fields."""
     source, available, counts = (
@@ -164,10 +173,7 @@ def ingest_rows(run: dict[str, Any], metrics: dict[str, float]) -> list[tuple]:
     return [
         ("source", f"{source.get('format', '?')} {source.get('path', '?')}"),
         ("format", source.get("format_version", "?")),
-        (
-            "steps",
-            f"{counts.get('steps', '?')} ({counts.get('first_step')}..{counts.get('last_step')})",
-        ),
+        ("steps", steps_cell(counts)),
         ("rollout side", available.get("rollout_logprobs", "?")),
         ("training side", available.get("train_logprobs", "?")),
         ("model", run.get("model", {}).get("name", "not given")),

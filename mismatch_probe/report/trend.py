@@ -262,10 +262,12 @@ def render_ingest(result: Any, console: Any) -> None:
 
     render(result.report, None, console)
     counts, source = result.run.get("counts", {}), result.run.get("source", {})
+    untrained = counts.get("steps_without_trained_tokens") or []
+    note = f" (no trained token at step {', '.join(map(str, untrained))})" if untrained else ""
     console.print(
         f"ingested {source.get('format')} {source.get('path')}: {counts.get('steps')} steps "
-        f"({counts.get('first_step')}..{counts.get('last_step')}), {counts.get('sequences'):,} "
-        f"sequences, {counts.get('tokens'):,} tokens -> {result.out}",
+        f"({counts.get('first_step')}..{counts.get('last_step')}){note}, "
+        f"{counts.get('sequences'):,} sequences, {counts.get('tokens'):,} tokens -> {result.out}",
         highlight=False,
         soft_wrap=True,
     )
