@@ -3,9 +3,12 @@
 Everything is written into a hidden sibling directory of ``--out`` and renamed to ``--out``
 only when complete, so a failure at any point (bad input found at step 900, an interrupt)
 leaves nothing in ``--out``; ``--out`` must not exist or be empty, so nothing there is lost.
+An error names ``--out``, never the hidden directory; an interrupt names the stage it hit
+(``interrupt.stage``: reading, model loading, rescoring, metrics, reports, writing).
 
 The run: ``tokens.parquet`` (with ``step``), ``sequences.parquet``, ``run.json`` (source,
-format version, what was and was not available, the off-policy bound), ``metrics.json`` (all
+format version, what was and was not available, the off-policy bound, the format-specific mask
+rules applied or not: ``mask_rules``, see ``writer.Counts.mask_rules``), ``metrics.json`` (all
 steps together), ``steps.json`` (metrics per step), ``report.md`` and ``plots/`` with the trend
 section. ``probe metrics/report/compare/check`` read it like a scan.
 """
@@ -19,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import store
+from mismatch_probe import interrupt, store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.formats import Format, get_format
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord
@@ -56,9 +59,17 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
     tmp.mkdir()
     try:
         run, metrics, steps, ctx = _ingest_into(tmp, cfg, fmt)
-        if cfg.out.exists():
-            cfg.out.rmdir()  # empty (checked above)
-        os.replace(tmp, cfg.out)
+        with interrupt.stage("writing"):
+            if cfg.out.exists():
+                cfg.out.rmdir()  # empty (checked above)
+            os.replace(tmp, cfg.out)
+    except ProbeError as exc:  # name --out, not the hidden directory that is removed below
+        raise ProbeError(str(exc).replace(str(tmp), str(cfg.out))) from None
+    except OSError as exc:
+        for name in ("filename", "filename2"):
+            if getattr(exc, name, None) is not None:
+                setattr(exc, name, str(getattr(exc, name)).replace(str(tmp), str(cfg.out)))
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out))
@@ -72,25 +83,30 @@ def _ingest_into(
     from mismatch_probe.report import load_report, write_outputs
     from mismatch_probe.report.trend import write_steps
 
-    off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
+    with interrupt.stage("reading"):
+        off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
     model_dir, tokenizer, records = _sources(cfg, fmt)
     run = run_metadata(cfg, fmt, off_policy, model_dir)
     writer = RunStoreWriter(tmp, run, tokenizer)
-    try:
-        for record in records:
-            writer.add(record)
-    finally:
-        counts = writer.close()
+    with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
+        try:
+            for record in records:
+                writer.add(record)
+        finally:
+            counts = writer.close()
     if counts.tokens == 0:
         raise ProbeError(f"{cfg.path}: no trained token in the chosen steps")
     run["counts"] = _counts(counts)
+    run["mask_rules"] = counts.mask_rules()
     store.write_json(tmp / store.RUN_FILE, run)
-    metrics = compute_metrics(tmp / store.TOKENS_FILE)
-    store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
-    steps = compute_step_metrics(tmp / store.TOKENS_FILE)
-    write_steps(tmp, steps, metrics.config.describe())
-    ctx, entries = load_report(tmp)
-    write_outputs(ctx, entries)
+    with interrupt.stage("metrics"):
+        metrics = compute_metrics(tmp / store.TOKENS_FILE)
+        store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
+        steps = compute_step_metrics(tmp / store.TOKENS_FILE)
+        write_steps(tmp, steps, metrics.config.describe())
+    with interrupt.stage("reports"):
+        ctx, entries = load_report(tmp)
+        write_outputs(ctx, entries)
     return run, metrics.flat(), steps, ctx
 
 
@@ -104,10 +120,11 @@ def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator
     from mismatch_probe.ingest.rescoring import rescored
     from mismatch_probe.sampling import SamplingSpec
 
-    model_dir = models.resolve_model(cfg.model)
-    tokenizer = _tokenizer(model_dir)
-    if fmt.needs_model:
-        model = rescore.load_model(model_dir, cfg.train_dtype)
+    with interrupt.stage("model_loading"):
+        model_dir = models.resolve_model(cfg.model)
+        tokenizer = _tokenizer(model_dir)
+        model = rescore.load_model(model_dir, cfg.train_dtype) if fmt.needs_model else None
+    if model is not None:
         spec = SamplingSpec(temperature=cfg.temperature)
         records = rescored(records, model, spec, cfg.train_dtype, cfg.batch_tokens)
     return model_dir, tokenizer, records

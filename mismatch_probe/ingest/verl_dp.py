@@ -144,8 +144,9 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
         check_shapes(file, responses=responses, **{mask_key: mask},
                      rollout_log_probs=rollout, old_log_probs=train)  # fmt: skip
         uids = non_tensor.get("uid")
-        if uids is not None and len(uids) != len(responses):
-            raise ProbeError(f"{file}: {len(uids)} uids for {len(responses)} responses")
+        if uids is not None and (not hasattr(uids, "__len__") or len(uids) != len(responses)):
+            count = len(uids) if hasattr(uids, "__len__") else "no list of"
+            raise ProbeError(f"{file}: {count} uids for {len(responses)} responses")
         for i in range(len(responses)):
             where = f"{file} row {i}"
             keep = np.flatnonzero(as_bool_mask(mask[i], mask_key, where))
