@@ -471,6 +471,14 @@ def test_the_largest_int32_id_is_stored_exactly(
     assert 2**31 - 1 in pq.read_table(tmp_path / "run" / TOKENS_FILE).column("token_id").to_pylist()
 
 
+def test_the_hook_writer_refuses_ids_outside_int32(tmp_path: Path) -> None:
+    writer = ProbeWriter(tmp_path / "logs")
+    with pytest.raises(ProbeError, match=r"token id 1099511627776 is outside 0\.\.2147483647"):
+        writer.write_step(1, [[5, 2**40]], [[1, 1]], [[-1.0, -2.0]], [[-1.0, -2.1]])
+    assert not list((tmp_path / "logs").rglob("*.parquet"))
+    writer.write_step(1, [[5, 2**40]], [[1, 0]], [[-1.0, -2.0]], [[-1.0, -2.1]])  # untrained
+
+
 def test_well_typed_foreign_probe_files_still_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

@@ -112,8 +112,11 @@ def _numpy_serialized(items: dict[str, Any]) -> dict[str, Any]:
 
     out = {}
     for key, (dtype, shape, data) in items.items():
+        torch_dtype = getattr(torch, str(dtype), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ProbeError(f"{key}: {str(dtype)[:40]!r} is not a torch dtype")
         raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1))
-        out[key] = raw.view(getattr(torch, str(dtype))).view(tuple(shape))
+        out[key] = raw.view(torch_dtype).view(tuple(shape))
     return out
 
 
