@@ -364,9 +364,10 @@ TrustPickleOpt = Annotated[
     typer.Option(
         "--trust-pickle",
         help="Allow pickle-based dumps: verl-dp (.dp) and skyrl (.pkl), which are Python "
-        "pickles, and slime .pt files holding more than tensors and lists. Unpickling runs code "
-        "from the file, so only for files you trust (verl-dp and skyrl are still rebuilt from a "
-        "whitelist of numpy/torch types, never importing verl, tensordict or SkyRL).",
+        "pickles, and slime .pt files holding more than tensors and lists. They are rebuilt "
+        "from a whitelist of numpy/torch types (never importing verl, tensordict, SkyRL or "
+        "slime, never running code the file names), but a whitelist is not a sandbox: only for "
+        "files you trust.",
     ),
 ]
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.cli_runner import run_probe_err as run_main
@@ -85,7 +86,7 @@ def pickle_needed(tmp: Path) -> tuple[list[str], str]:
 
     src = write_slime(tmp / "src", synthetic_steps([1, 2], seqs=2))
     payload = slime_payload(2, synthetic_steps([2], seqs=1)[2])
-    payload["samples"][0]["status"] = Path("anything")  # not loadable weights-only
+    payload["samples"][0]["rewards"] = np.array([1.0])  # not loadable weights-only
     torch.save(payload, src / "train_data" / "2.pt")
     return ["slime", str(src)], "--trust-pickle"
 

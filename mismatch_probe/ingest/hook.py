@@ -237,6 +237,10 @@ class ProbeWriter:
         if group is not None and len(group) != tokens.shape[0]:
             raise ProbeError(f"write_step: {len(group)} group keys for {tokens.shape[0]} rows")
         rows, cols = np.nonzero(mask)
+        ids = tokens[rows, cols]
+        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+            bad = ids[(ids < 0) | (ids > np.iinfo(np.int32).max)][0]
+            raise ProbeError(f"write_step: token id {int(bad)} is outside 0..2147483647")
         keys = None if group is None else [str(group[i]) for i in rows.tolist()]
         table = pa.table(
             {
@@ -244,7 +248,7 @@ class ProbeWriter:
                 "sequence": rows.astype(np.int64),
                 "group": pa.array(keys if keys is not None else [None] * len(rows), pa.string()),
                 "position": cols.astype(np.int32),
-                "token_id": tokens[rows, cols].astype(np.int32),
+                "token_id": ids.astype(np.int32),
                 "rollout_logprob": _nullable(rollout[rows, cols]),
                 "train_logprob": _nullable(train[rows, cols]),
             },

@@ -14,7 +14,15 @@ Checked against NVIDIA-NeMo/RL ``nemo_rl/algorithms/grpo.py`` (sync and async GR
   index 0 unused (grpo.py compares ``[:, 1:]``); prompt tokens have ``token_loss_mask`` 0;
 * ``prev_logprobs`` is ``torch.zeros_like`` when the trainer skipped that forward
   (``force_on_policy_ratio``): not a training log-prob, so such a step is refused;
-* ``json.dumps`` writes non-finite floats as ``NaN`` / ``Infinity``, which we read as NaN/inf.
+* ``json.dumps`` writes non-finite floats as ``NaN`` / ``Infinity``, which we read as NaN/inf;
+* ``sample_loss_mask`` is the batch's ``sample_mask`` (the rollout's ``loss_multiplier``: 0 for
+  a sample truncated past the length limit with overlong filtering, or filtered out): NeMo's loss
+  (``ClippedPGLossFn``) multiplies it into the token mask, ``mask = token_mask[:, 1:] *
+  sample_mask[:, None]``, and its ``gen_kl_error`` is the k3 estimator
+  ``exp(prev - gen) - 1 - (prev - gen)`` averaged over that mask. We apply it the same way (a
+  sample with 0 keeps no token), so our ``k3_kl`` of a step is NeMo's ``gen_kl_error``. Each
+  record says so in ``mask_rules``; where the line has no ``sample_loss_mask``, or a weight
+  other than 0 and 1 (which the token store cannot carry), the rule is recorded as not applied.
 
 Off-policy: sync GRPO recomputes ``prev_logprobs`` with the weights that generated the
 rollouts; async GRPO (``grpo.async_grpo``) trains on trajectories up to
@@ -32,6 +40,7 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.records import (
+    MaskRule,
     SeqRecord,
     StepRange,
     as_bool_mask,
@@ -42,9 +51,23 @@ from mismatch_probe.ingest.records import (
     iter_json_lines,
     masked_record,
     numbered_files,
+    short_repr,
 )
 
 _STEP_FILE = re.compile(r"train_data_step(\d+)\.jsonl$")
+SAMPLE_MASK = "sample_loss_mask"
+_APPLIED = (
+    "NeMo multiplies sample_loss_mask into the token mask: samples with 0 (truncated or "
+    "filtered) are left out, as in NeMo's own gen_kl_error"
+)
+_MISSING = (
+    "the log has no sample_loss_mask: samples NeMo leaves out of its loss and gen_kl_error "
+    "(truncated or filtered) may be counted"
+)
+_WEIGHTED = (
+    "sample_loss_mask holds weights other than 0 and 1, which the token store cannot carry: "
+    "those samples are counted with weight 1"
+)
 
 
 def step_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
@@ -70,15 +93,16 @@ def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
                 yield record
                 continue
             held.append(record)
-            if not _zero(record.train):
+            if len(record.token_ids) and not _zero(record.train):
                 trained = True
                 yield from held
                 held.clear()
-        if held:
+        if any(len(r.token_ids) for r in held):
             raise ProbeError(
                 f"{file}: prev_logprobs are all zero (the trainer skipped its forward, "
                 "force_on_policy_ratio): no training-side log-prob; exclude it with --steps"
             )
+        yield from held  # only samples the sample mask removed: nothing to refuse
 
 
 def _zero(train: np.ndarray | None) -> bool:
@@ -107,9 +131,28 @@ def _record(obj: dict[str, Any], step: int, where: str) -> SeqRecord:
     mask = as_bool_mask(mask, "token_loss_mask", where)
     mask[length:] = False
     mask[:1] = False  # index 0 has no log-prob
-    key = obj.get("idx")
-    return masked_record(step, where, None if key is None else f"idx {key}", tokens, mask,
-                         rollout, train)  # fmt: skip
+    rule, removed = _sample_mask(obj, int(mask.sum()), where)
+    key = None if obj.get("idx") is None else f"idx {obj['idx']}"
+    if removed:
+        mask[:] = False
+    return masked_record(step, where, key, tokens, mask, rollout, train, mask_rules=(rule,),
+                         empty_ok=removed)  # fmt: skip
+
+
+def _sample_mask(obj: dict[str, Any], tokens: int, where: str) -> tuple[MaskRule, bool]:
+    """``sample_loss_mask`` as NeMo applies it (see the module docstring): the rule as this
+    sample of ``tokens`` trained tokens met it, and whether it removes the sample."""
+    value = _unwrap(obj.get(SAMPLE_MASK))
+    value = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if value is None:
+        return MaskRule(SAMPLE_MASK, False, _MISSING, tokens), False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise ProbeError(f"{where}: {SAMPLE_MASK} {short_repr(value)} is not a number")
+    if value == 0:
+        return MaskRule(SAMPLE_MASK, True, _APPLIED, tokens), True
+    if value == 1:
+        return MaskRule(SAMPLE_MASK, True, _APPLIED, 0), False
+    return MaskRule(SAMPLE_MASK, False, _WEIGHTED, tokens), False
 
 
 def _input_length(obj: dict[str, Any], n: int, where: str) -> int:

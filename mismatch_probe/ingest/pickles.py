@@ -12,8 +12,11 @@ code. ``load`` never imports a module the file names. ``find_class`` answers, in
 * anything else is refused, naming the global (``os.system`` in a crafted file never runs).
 
 Tensors that the framework wrote with ``torch.save`` inside its pickle (verl's TensorDict
-buffer, SkyRL's bfloat16 fallback) go through the same unpickler (``torch.load`` with our
-``pickle_module``) or ``torch.load(weights_only=True)``. A whitelist is not a sandbox: the
+buffer, SkyRL's bfloat16 fallback), and slime's ``.pt`` dumps, go through the same unpickler
+(``torch.load`` with our ``pickle_module``) or ``torch.load(weights_only=True)``. A zip that
+looks like a TorchScript archive is refused before ``torch.load`` sees it: ``torch.load``
+hands such an archive to ``torch.jit.load``, which ignores ``pickle_module`` and runs the
+archive's code (a scripted ``__setstate__``). A whitelist is not a sandbox: the
 whitelisted reconstructors still run on bytes from the file, and a bug in them or in pickle
 could be exploited. So the readers refuse to open these files at all without
 ``--trust-pickle``.
@@ -95,6 +98,7 @@ def _load_storage_from_bytes(data: bytes) -> Any:
     weights-only."""
     import torch
 
+    refuse_torchscript(data)
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
@@ -174,16 +178,93 @@ class _PickleModule:
         return self.Unpickler(file, **kwargs).load()
 
 
-def torch_load(data: bytes, stand_ins: StandIns) -> Any:
-    """``torch.load`` of bytes written by ``torch.save``, globals resolved by our unpickler."""
+class TorchScriptRefused(pickle.UnpicklingError):
+    """A TorchScript archive where a ``torch.save`` file was expected."""
+
+
+def refuse_torchscript(source: bytes | Path) -> None:
+    """Raise ``TorchScriptRefused`` when ``source`` (bytes or a file) is a zip that
+    ``torch.load`` would dispatch to ``torch.jit.load`` (whose code would run on loading)."""
+    if isinstance(source, Path):
+        with source.open("rb") as fh:
+            found = _is_torchscript(fh)
+    else:
+        found = _is_torchscript(io.BytesIO(source))
+    if found:
+        raise TorchScriptRefused("a TorchScript archive")
+
+
+def torchscript_message(path: Path) -> str:
+    return (
+        f"{path}: a TorchScript archive where a torch.save file belongs; probe does not load "
+        "it (torch.load would run the archive's code)"
+    )
+
+
+def _is_torchscript(fh: BinaryIO) -> bool:
+    """torch's own test (``torch.serialization``: a zip whose records hold ``constants.pkl``),
+    so what is refused is exactly what ``torch.load`` would hand to ``torch.jit.load``; names
+    read with ``zipfile`` where torch's private helpers are gone."""
+    import zipfile
+
+    import torch.serialization as ts
+
+    try:
+        if not ts._is_zipfile(fh):
+            return False
+        fh.seek(0)
+        with ts._open_zipfile_reader(fh) as archive:
+            return bool(ts._is_torchscript_zip(archive))
+    except AttributeError:  # a torch without these helpers
+        fh.seek(0)
+        if not zipfile.is_zipfile(fh):
+            return False
+        names = zipfile.ZipFile(fh).namelist()
+        return any(n.split("/", 1)[-1] == "constants.pkl" for n in names)
+    except RuntimeError:  # not a readable zip: torch.load fails on it the same way, later
+        return False
+    finally:
+        fh.seek(0)
+
+
+def torch_load(source: bytes | Path, stand_ins: StandIns) -> Any:
+    """``torch.load`` of bytes or a file written by ``torch.save``, globals resolved by our
+    unpickler; a TorchScript archive is refused before loading (see the module docstring)."""
     import torch
 
+    refuse_torchscript(source)
     return torch.load(
-        io.BytesIO(data),
+        io.BytesIO(source) if isinstance(source, bytes) else source,
         map_location="cpu",
         weights_only=False,
         pickle_module=_PickleModule(stand_ins),  # type: ignore[arg-type]
     )
+
+
+class CapturedModules(Mapping[tuple[str, str], Any]):
+    """Stand-ins for every class of the named packages (``slime``, ``miles``): each is rebuilt
+    as a ``Captured`` (its arguments and state kept, nothing of the package imported or run)."""
+
+    def __init__(self, *packages: str) -> None:
+        self.packages = packages
+
+    def __getitem__(self, key: tuple[str, str]) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return Captured
+
+    def __contains__(self, key: object) -> bool:
+        return (
+            isinstance(key, tuple)
+            and len(key) == 2
+            and any(key[0] == p or str(key[0]).startswith(p + ".") for p in self.packages)
+        )
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
 def load(path: Path, stand_ins: StandIns, what: str) -> Any:
@@ -207,6 +288,8 @@ def guarded(path: Path, what: str, fn: Callable[[], Any]) -> Any:
             f"{path}: the pickle needs {exc.args[0]}, which probe does not load (it rebuilds "
             f"only numpy arrays, torch tensors and the {what} containers it knows)"
         ) from None
+    except TorchScriptRefused:
+        raise ProbeError(torchscript_message(path)) from None
     except OSError as exc:
         raise ProbeError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except Exception as exc:  # a malformed pickle fails in any of pickle's or numpy's ways

@@ -36,9 +36,13 @@ from mismatch_probe.ingest.records import (
     check_lengths,
     field_of,
     float_array,
+    group_key,
     int_array,
     iter_json_lines,
     masked_record,
+    require_dir,
+    short_repr,
+    unique_steps,
 )
 
 SCHEMA_VERSIONS = (1,)
@@ -50,8 +54,7 @@ DEFAULT_MAX_OFF_POLICY = 8  # OrchestratorConfig.max_off_policy_steps in the sou
 
 def exports_dir(path: Path) -> Path:
     """``path`` itself when it holds ``step_<N>`` directories, else ``path/token_exports``."""
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
+    require_dir(path, "token_exports/ (the trainer's output dir)")
     if any(_STEP_DIR.match(p.name) for p in path.iterdir()):
         return path
     sub = path / "token_exports"
@@ -73,7 +76,7 @@ def step_dirs(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
         for p in root.iterdir()
         if p.is_dir() and (m := _STEP_DIR.match(p.name))
     )
-    found = [(n, p) for n, p in found if n in steps]
+    found = unique_steps([(n, p) for n, p in found if n in steps])
     stable = [n for n, p in found if (p / STABLE).exists()]
     for n, p in found:
         if (p / STABLE).exists():
@@ -113,25 +116,31 @@ def _record(obj: dict[str, Any], step: int, where: str) -> SeqRecord:
     )
     mask = as_bool_mask(mask, "loss_mask", where)
     mask[:1] = False  # index 0 has no log-prob (trainer_logprobs[0] is a pad value)
-    key = obj.get("sample_id") or None  # not in schema 1; used when a newer export has it
+    key = group_key(obj.get("sample_id"), "sample_id", where)  # not in schema 1; newer exports
     return masked_record(step, where, key, tokens, mask, rollout, train)
 
 
 def off_policy(path: Path) -> dict[str, Any]:
-    """The bound on policy staleness from the run's config files, else the default."""
+    """The bound on policy staleness from the run's config files, else the default. A config
+    file that does not parse, or a bound that is not a non-negative integer, is one line."""
     root = exports_dir(path).parent
     for name, keys in (("orchestrator.json", ()), ("rl.json", ("orchestrator",))):
         file = root / "configs" / name
         if not file.is_file():
             continue
         try:
-            data: Any = json.loads(file.read_text())
-            for key in keys:
-                data = data[key]
-            value = int(data["max_off_policy_steps"])
-        except (ValueError, KeyError, TypeError):
+            data: Any = json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProbeError(f"{file}: not valid JSON ({exc})") from None
+        for key in (*keys, "max_off_policy_steps"):
+            data = data.get(key) if isinstance(data, dict) else None
+        if data is None:
             continue
-        return {"max_off_policy_steps": value, "source": str(file), "staleness": value > 0}
+        if not isinstance(data, int) or isinstance(data, bool) or data < 0:
+            raise ProbeError(
+                f"{file}: max_off_policy_steps {short_repr(data)} is not a non-negative integer"
+            )
+        return {"max_off_policy_steps": data, "source": str(file), "staleness": data > 0}
     return {
         "max_off_policy_steps": None,
         "source": f"not found under {root / 'configs'}; prime-rl's default is "

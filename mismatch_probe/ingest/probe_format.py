@@ -4,6 +4,8 @@
 read ``ROWS_PER_READ`` rows at a time, the last, maybe incomplete, sequence carried over. The
 batch rows a file's metadata counts (``ROWS_KEY``) but that hold no trained token come out as
 empty records, so a step whose batch trained on nothing is reported, not silently dropped.
+A file of another writer is checked first: each column of ``PROBE_SCHEMA`` must have its kind
+(integer, float, string) and the integer columns no nulls, so no null becomes a number.
 """
 
 from __future__ import annotations
@@ -30,21 +32,33 @@ from mismatch_probe.ingest.hook import (
     STALENESS_KEY,
     VERSION_KEY,
 )
-from mismatch_probe.ingest.records import SeqRecord, StepRange
+from mismatch_probe.ingest.records import SeqRecord, StepRange, require_dir, unique_steps
 
 _STEP_DIR = re.compile(r"step_(\d+)$")
 ROWS_PER_READ = 65_536
+# The kind each column's Arrow type must have: (test, name for the error line).
+_KINDS = {
+    "int": (pa.types.is_integer, "integer"),
+    "float": (pa.types.is_floating, "floating-point"),
+    "string": (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
+               or pa.types.is_null(t), "string"),
+}  # fmt: skip
+_INT_COLUMNS = [f.name for f in PROBE_SCHEMA if pa.types.is_integer(f.type)]
+
+
+def _kind(t: pa.DataType) -> str:
+    """The kind of a ``PROBE_SCHEMA`` column's type."""
+    return "int" if pa.types.is_integer(t) else "float" if pa.types.is_floating(t) else "string"
 
 
 def step_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
-    dirs = sorted(
+    require_dir(path, "step_<N>/ directories of ProbeWriter files")
+    dirs = unique_steps(sorted(
         (int(m.group(1)), p)
         for p in path.iterdir()
-        if p.is_dir() and (m := _STEP_DIR.match(p.name))
-    )
-    files = [(n, f) for n, d in dirs if n in steps for f in sorted(d.glob("[!.]*.parquet"))]
+        if p.is_dir() and (m := _STEP_DIR.match(p.name)) and int(m.group(1)) in steps
+    ))  # fmt: skip
+    files = [(n, f) for n, d in dirs for f in sorted(d.glob("[!.]*.parquet"))]
     if not files:
         raise ProbeError(f"{path}: no step_<N>/*.parquet file in the chosen steps")
     return files
@@ -58,12 +72,17 @@ def _open(file: Path) -> pq.ParquetFile:
     meta = pf.schema_arrow.metadata or {}
     if meta.get(FORMAT_KEY) != FORMAT_NAME.encode():
         raise ProbeError(f"{file} was not written by ProbeWriter (no {FORMAT_NAME} marker)")
-    version = meta.get(VERSION_KEY, b"?").decode()
+    version = meta.get(VERSION_KEY, b"?").decode(errors="replace")
     if version != FORMAT_VERSION:
         raise ProbeError(f"{file}: format version {version} (supported: {FORMAT_VERSION})")
     missing = [c for c in PROBE_SCHEMA.names if c not in pf.schema_arrow.names]
     if missing:
         raise ProbeError(f"{file} lacks the column(s) {', '.join(missing)}")
+    for expected in PROBE_SCHEMA:
+        test, kind = _KINDS[_kind(expected.type)]
+        found = pf.schema_arrow.field(expected.name).type
+        if not test(found):
+            raise ProbeError(f"{file}: column {expected.name} is {found}, expected {kind}")
     return pf
 
 
@@ -105,6 +124,9 @@ def _records(table: pa.Table, step: int, file: Path) -> Iterator[SeqRecord]:
     if table.num_rows == 0:
         return
     cols = {name: table.column(name) for name in PROBE_SCHEMA.names}
+    for name in _INT_COLUMNS:
+        if cols[name].null_count:
+            raise ProbeError(f"{file}: column {name} holds nulls (every trained token has one)")
     seq = cols["sequence"].to_numpy()
     steps = cols["step"].to_numpy()
     if np.any(steps != step):
@@ -130,13 +152,21 @@ def _records(table: pa.Table, step: int, file: Path) -> Iterator[SeqRecord]:
 def off_policy(path: Path) -> dict[str, Any]:
     """The bound, staleness and source ``ProbeWriter`` recorded in the first file, if any."""
     files = step_files(path, StepRange())
-    meta = _open(files[0][1]).schema_arrow.metadata or {}
-    bound = int(meta[OFF_POLICY_KEY]) if OFF_POLICY_KEY in meta else None
+    file = files[0][1]
+    meta = _open(file).schema_arrow.metadata or {}
+    bound = None
+    if OFF_POLICY_KEY in meta:
+        text = meta[OFF_POLICY_KEY].decode(errors="replace")
+        bound = int(text) if text.strip().isascii() and text.strip().isdigit() else -1
+        if bound < 0:
+            raise ProbeError(
+                f"{file}: {OFF_POLICY_KEY.decode()} {text!r} is not a non-negative integer"
+            )
     stale = {b"true": True, b"false": False}.get(meta.get(STALENESS_KEY, b""))
     if stale is None and bound is not None:
         stale = bound > 0
     given = bound is not None or stale is not None
-    source = meta.get(OFF_POLICY_SOURCE_KEY, b"").decode() or (
+    source = meta.get(OFF_POLICY_SOURCE_KEY, b"").decode(errors="replace") or (
         "ProbeWriter" if given else "not given to ProbeWriter"
     )
     return {"max_off_policy_steps": bound, "source": source, "staleness": stale}

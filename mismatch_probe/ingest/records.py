@@ -12,11 +12,16 @@ row group) in memory. Every record holds only the *response* tokens the framewor
 Non-finite log-probs (a framework's ``null`` / ``NaN``) stay NaN here and are stored as nulls,
 which the metric engine reads as padding (not counted).
 
+A format-specific mask rule (NeMo-RL's ``sample_loss_mask``) is applied by the reader; each
+record says which rules it met in ``mask_rules`` (``MaskRule``), and the run's ``run.json``
+sums them (``mask_rules``), applied or not, so a report can say when one could not be applied.
+
 Sign convention downstream: ``r = train - rollout``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -27,6 +32,25 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.pipeline.config import DTYPES, check_choices, check_options
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """A format-specific mask rule as one record met it.
+
+    Attributes:
+        rule: the framework's name of the mask, e.g. ``"sample_loss_mask"``.
+        applied: whether the reader applied it (as the framework does in its own metrics).
+        detail: what applying it means, or why it could not be applied (one sentence, the same
+            for every record in the same case, so that ``run.json`` can sum them).
+        tokens: the record's tokens it removed (applied) or would have changed (not applied).
+    """
+
+    rule: str
+    applied: bool
+    detail: str
+    tokens: int = 0
 
 
 @dataclass
@@ -44,6 +68,7 @@ class SeqRecord:
         prompt_ids: the prompt's token ids (only kept when the format needs rescoring).
         response_ids: the whole response, trained or not (likewise), which ``positions``
             index.
+        mask_rules: the format-specific mask rules this record met (see ``MaskRule``).
     """
 
     step: int
@@ -55,6 +80,7 @@ class SeqRecord:
     train: np.ndarray | None
     prompt_ids: np.ndarray | None = None
     response_ids: np.ndarray | None = None
+    mask_rules: tuple[MaskRule, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,12 @@ class IngestConfig:
     train_dtype: str = "float32"
     batch_tokens: int = 2048
 
+    def __post_init__(self) -> None:
+        """The options' rules, the same functions as the scan's (``config.check_options``),
+        checked before anything is read."""
+        check_options({"--temperature": self.temperature, "--batch-tokens": self.batch_tokens})
+        check_choices((self.train_dtype,), DTYPES, "--train-dtype")
+
 
 def numbered_files(
     path: Path, pattern: re.Pattern[str], steps: StepRange, what: str, subdir: str | None = None
@@ -127,16 +159,34 @@ def numbered_files(
     steps ascending.
 
     Raises:
-        ProbeError: ``path`` is not a folder, or no file of ``what`` is in the chosen steps.
+        ProbeError: ``path`` is not a folder, two files carry the same step number, or no file
+            of ``what`` is in the chosen steps.
     """
-    if not path.is_dir():
-        raise ProbeError(f"{path}: no such directory")
+    require_dir(path, f"the {what}s")
     root = path / subdir if subdir and (path / subdir).is_dir() else path
     found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name)))
-    chosen = [(n, p) for n, p in found if n in steps]
+    chosen = unique_steps([(n, p) for n, p in found if n in steps])
     if not chosen:
         raise ProbeError(f"{root}: no {what} in the chosen steps")
     return chosen
+
+
+def require_dir(path: Path, what: str) -> None:
+    """``path`` is a directory; else one line: a file where a directory is expected, or none."""
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ProbeError(f"{path} is a file; give the directory that holds {what}")
+    raise ProbeError(f"{path}: no such directory")
+
+
+def unique_steps(found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
+    """``found`` (``(step, path)``, steps ascending) when no step number appears twice
+    (``step_2`` and ``step_02``); else one line naming both, as neither can be chosen."""
+    for (a, first), (b, second) in itertools.pairwise(found):
+        if a == b:
+            raise ProbeError(f"step {a} appears twice: {first} and {second}; remove or rename one")
+    return found
 
 
 def iter_json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -183,6 +233,35 @@ def int_array(values: Any, name: str, where: str) -> np.ndarray:
     return out.astype(np.int64)
 
 
+def int_value(value: Any, name: str, where: str) -> int:
+    """One integer (a Python, numpy or 0-d tensor integer, or a float with no fraction); anything
+    else (a list, a string, a bool, NaN) is one line naming ``where`` and ``name``."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, str)):
+        value = value.tolist()  # numpy scalar or 0-d tensor; an array becomes a list
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProbeError(f"{where}: {name} {short_repr(value)} is not an integer")
+    return value
+
+
+def group_key(value: Any, name: str, where: str) -> str | None:
+    """A framework's group key (responses to one prompt share it): a string or an integer,
+    as a string; None or an empty string when there is none; anything else is one line."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ProbeError(f"{where}: {name} {short_repr(value)} is not a string or an integer")
+
+
+def short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check_lengths(where: str, **arrays: np.ndarray | None) -> int:
     """The common length of ``arrays`` (None ones skipped); unequal lengths name each."""
     sizes = {name: len(a) for name, a in arrays.items() if a is not None}
@@ -209,13 +288,16 @@ def masked_record(
     rollout: np.ndarray,
     train: np.ndarray | None,
     first: int | None = None,
+    mask_rules: tuple[MaskRule, ...] = (),
+    empty_ok: bool = False,
 ) -> SeqRecord:
     """Keep the tokens of ``mask``; positions count from ``first`` (default: the first masked
-    token). All arrays are full length and aligned (checked by the caller)."""
+    token). All arrays are full length and aligned (checked by the caller). A mask selecting
+    no token is an error unless ``empty_ok`` (a sample a mask rule removed)."""
     keep = np.flatnonzero(mask)
-    if len(keep) == 0:
+    if len(keep) == 0 and not empty_ok:
         raise ProbeError(f"{where}: the loss mask selects no token")
-    start = int(keep[0]) if first is None else first
+    start = (int(keep[0]) if len(keep) else 0) if first is None else first
     return SeqRecord(
         step=step,
         source=where,
@@ -224,6 +306,7 @@ def masked_record(
         positions=keep - start,
         rollout=rollout[keep],
         train=None if train is None else train[keep],
+        mask_rules=mask_rules,
     )
 
 

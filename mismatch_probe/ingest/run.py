@@ -3,9 +3,12 @@
 Everything is written into a hidden sibling directory of ``--out`` and renamed to ``--out``
 only when complete, so a failure at any point (bad input found at step 900, an interrupt)
 leaves nothing in ``--out``; ``--out`` must not exist or be empty, so nothing there is lost.
+An error names ``--out``, never the hidden directory; an interrupt names the stage it hit
+(``interrupt.stage``: reading, model loading, rescoring, metrics, reports, writing).
 
 The run: ``tokens.parquet`` (with ``step``), ``sequences.parquet``, ``run.json`` (source,
-format version, what was and was not available, the off-policy bound), ``metrics.json`` (all
+format version, what was and was not available, the off-policy bound, the format-specific mask
+rules applied or not: ``mask_rules``, see ``writer.Counts.mask_rules``), ``metrics.json`` (all
 steps together), ``steps.json`` (metrics per step), ``report.md`` and ``plots/`` with the trend
 section. ``probe metrics/report/compare/check`` read it like a scan.
 """
@@ -13,11 +16,12 @@ section. ``probe metrics/report/compare/check`` read it like a scan.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import store
+from mismatch_probe import interrupt, store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.formats import Format, get_format
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord
@@ -51,7 +55,10 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     # A hidden directory beside --out, renamed to it when complete (an empty --out, checked
     # above, is replaced): an interrupted ingest leaves no run that looks complete.
-    with store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp:
+    with (
+        store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp,
+        _named_as(tmp, cfg.out),
+    ):
         run, metrics, steps, ctx = _ingest_into(tmp, cfg, fmt)
     return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out))
 
@@ -59,6 +66,20 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
 def _never(path: Path) -> bool:
     """No directory already at ``--out`` counts as this ingest's result."""
     return False
+
+
+@contextmanager
+def _named_as(tmp: Path, out: Path) -> Iterator[None]:
+    """Errors name ``--out``, not the hidden directory that is removed when they pass."""
+    try:
+        yield
+    except ProbeError as exc:
+        raise ProbeError(str(exc).replace(str(tmp), str(out))) from None
+    except OSError as exc:
+        for name in ("filename", "filename2"):
+            if getattr(exc, name, None) is not None:
+                setattr(exc, name, str(getattr(exc, name)).replace(str(tmp), str(out)))
+        raise
 
 
 def _ingest_into(
@@ -69,25 +90,30 @@ def _ingest_into(
     from mismatch_probe.report import load_report, write_outputs
     from mismatch_probe.report.trend import write_steps
 
-    off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
+    with interrupt.stage("reading"):
+        off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
     model_dir, tokenizer, records = _sources(cfg, fmt)
     run = run_metadata(cfg, fmt, off_policy, model_dir)
     writer = RunStoreWriter(tmp, run, tokenizer)
-    try:
-        for record in records:
-            writer.add(record)
-    finally:
-        counts = writer.close()
+    with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
+        try:
+            for record in records:
+                writer.add(record)
+        finally:
+            counts = writer.close()
     if counts.tokens == 0:
         raise ProbeError(f"{cfg.path}: no trained token in the chosen steps")
     run["counts"] = _counts(counts)
+    run["mask_rules"] = counts.mask_rules()
     store.write_json(tmp / store.RUN_FILE, run)
-    metrics = compute_metrics(tmp / store.TOKENS_FILE)
-    store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
-    steps = compute_step_metrics(tmp / store.TOKENS_FILE)
-    write_steps(tmp, steps, metrics.config.describe())
-    ctx, entries = load_report(tmp)
-    write_outputs(ctx, entries)
+    with interrupt.stage("metrics"):
+        metrics = compute_metrics(tmp / store.TOKENS_FILE)
+        store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
+        steps = compute_step_metrics(tmp / store.TOKENS_FILE)
+        write_steps(tmp, steps, metrics.config.describe())
+    with interrupt.stage("reports"):
+        ctx, entries = load_report(tmp)
+        write_outputs(ctx, entries)
     return run, metrics.flat(), steps, ctx
 
 
@@ -102,10 +128,11 @@ def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator
     from mismatch_probe.sampling import SamplingSpec
     from mismatch_probe.training import rescore
 
-    model_dir = models.resolve_model(cfg.model)
-    tokenizer = _tokenizer(model_dir)
-    if fmt.needs_model:
-        model = rescore.load_model(model_dir, cfg.train_dtype)
+    with interrupt.stage("model_loading"):
+        model_dir = models.resolve_model(cfg.model)
+        tokenizer = _tokenizer(model_dir)
+        model = rescore.load_model(model_dir, cfg.train_dtype) if fmt.needs_model else None
+    if model is not None:
         spec = SamplingSpec(temperature=cfg.temperature)
         records = rescored(records, model, spec, cfg.train_dtype, cfg.batch_tokens)
     return model_dir, tokenizer, records

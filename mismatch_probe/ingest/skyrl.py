@@ -43,7 +43,9 @@ from mismatch_probe.ingest.records import (
     StepRange,
     as_bool_mask,
     check_shapes,
+    int_value,
     numbered_files,
+    short_repr,
 )
 
 WHAT = "SkyRL TrainingInputBatch"
@@ -100,16 +102,45 @@ def load_dump(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, metadata if isinstance(metadata, dict) else {}
 
 
-def _groups(metadata: dict[str, Any], rows: int) -> list[str | None]:
+def _groups(metadata: dict[str, Any], rows: int, file: Path) -> list[str | None]:
     """Each row's prompt key: ``uids`` when kept, else the prompt boundaries, else None."""
     uids = metadata.get("uids")
     if isinstance(uids, list) and len(uids) >= rows:
         return [str(u) for u in uids[:rows]]
     keys: list[str | None] = [None] * rows
-    for k, bounds in enumerate(metadata.get("policy_prompt_boundaries") or []):
-        start, end = int(bounds[0]), int(bounds[1])
+    for k, (start, end) in enumerate(_boundaries(metadata, file)):
         keys[start : min(end, rows)] = [f"prompt {k}"] * max(0, min(end, rows) - start)
     return keys
+
+
+def _boundaries(metadata: dict[str, Any], file: Path) -> list[tuple[int, int]]:
+    """``policy_prompt_boundaries``: ``(start, end)`` integer pairs, ``0 <= start <= end``."""
+    name = "policy_prompt_boundaries"
+    value = metadata.get(name)
+    if value is None:
+        return []
+    where = f"{file}: metadata {name}"
+    pairs = list(value) if isinstance(value, (list, tuple)) else None
+    if pairs is None:
+        raise ProbeError(f"{where} {short_repr(value)} is not a list of (start, end) pairs")
+    out = []
+    for bounds in pairs:
+        if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
+            raise ProbeError(f"{where}: {short_repr(bounds)} is not a (start, end) pair")
+        start, end = (int_value(b, "bound", where) for b in bounds)
+        if not 0 <= start <= end:
+            raise ProbeError(f"{where}: ({start}, {end}) is not a range of rows")
+        out.append((start, end))
+    return out
+
+
+def _pad_size(metadata: dict[str, Any], rows: int, file: Path) -> int:
+    """``metadata["pad_size"]``: padding rows at the end, ``0..rows``."""
+    value = metadata.get("pad_size")
+    pad = 0 if value is None else int_value(value, "pad_size", f"{file}: metadata")
+    if not 0 <= pad <= rows:
+        raise ProbeError(f"{file}: metadata pad_size {pad} is not within 0..{rows} rows")
+    return pad
 
 
 def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[SeqRecord]:
@@ -128,8 +159,8 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
         if sequences.shape[0] != rollout.shape[0] or sequences.shape[1] < width:
             raise ProbeError(f"{file}: sequences {list(sequences.shape)} do not hold the "
                              f"responses {list(rollout.shape)}")  # fmt: skip
-        rows = rollout.shape[0] - int(metadata.get("pad_size") or 0)
-        groups = _groups(metadata, rows)
+        rows = rollout.shape[0] - _pad_size(metadata, rollout.shape[0], file)
+        groups = _groups(metadata, rows, file)
         for i in range(rows):
             where = f"{file} row {i}"
             trained = as_bool_mask(loss_mask[i], "loss_mask", where)

@@ -14,9 +14,12 @@ and ``slime/ray/rollout.py`` (``_convert_samples_to_train_data``) at commit 624b
   ``rollout_log_probs`` have one entry per response token;
 * a removed sample (``remove_sample``) has an all-zero loss mask: it is skipped, not an error.
 
-Loading: ``torch.load(weights_only=True)`` only (tensors, lists, dicts, numbers, strings); a file
-that needs arbitrary unpickling is refused unless ``--trust-pickle``, because unpickling can
-run code from the file.
+Loading: ``torch.load(weights_only=True)`` (tensors, lists, dicts, numbers, strings). A file
+that needs more (numpy arrays, slime's own objects) is refused unless ``--trust-pickle``, and
+then loaded through the restricted unpickler of the verl and SkyRL dumps (``pickles``): numpy
+and torch reconstruction from the whitelist, slime's and Miles' classes rebuilt as inert
+``Captured`` stand-ins, anything else refused by name. A TorchScript archive is refused either
+way. No file runs code.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest import pickles
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -37,11 +41,14 @@ from mismatch_probe.ingest.records import (
     field_of,
     float_array,
     int_array,
+    int_value,
     numbered_files,
 )
 
 FORMAT_VERSIONS = (2,)
+WHAT = "slime train dump"
 _DUMP_FILE = re.compile(r"(\d+)\.pt$")
+_STAND_INS = pickles.CapturedModules("slime", "miles")
 
 
 def dump_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
@@ -49,21 +56,27 @@ def dump_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
 
 
 def load_pt(path: Path, trust_pickle: bool) -> Any:
-    """``torch.load`` on the CPU, weights-only unless ``trust_pickle``."""
+    """``torch.load`` on the CPU, weights-only; with ``trust_pickle``, what weights-only
+    refuses goes through the restricted unpickler (see the module docstring)."""
     import pickle
 
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+        pickles.refuse_torchscript(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickles.TorchScriptRefused:
+        raise ProbeError(pickles.torchscript_message(path)) from None
     except pickle.UnpicklingError:
-        raise ProbeError(
-            f"{path} needs full unpickling, which can run code from the file; "
-            "pass --trust-pickle if you trust it"
-        ) from None
+        if not trust_pickle:
+            raise ProbeError(
+                f"{path} needs more than tensors and lists: unpickling can run code from the "
+                "file; pass --trust-pickle if you trust it"
+            ) from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         reason = " ".join(str(exc).split())[:200]
         raise ProbeError(f"{path}: not a readable torch file ({reason})") from None
+    return pickles.guarded(path, WHAT, lambda: pickles.torch_load(path, _STAND_INS))
 
 
 def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[SeqRecord]:
@@ -93,7 +106,8 @@ def sample_record(
     """A slime/Miles sample (response = last ``response_length`` tokens) -> ``SeqRecord``;
     ``train_key=None`` keeps the prompt for rescoring instead of a training side."""
     tokens = int_array(_values(field_of(sample, "tokens", where)), "tokens", where)
-    length = int(_values(field_of(sample, _key(sample, "response_length"), where)))
+    length_key = _key(sample, "response_length")
+    length = int_value(field_of(sample, length_key, where), length_key, where)
     if not 0 < length <= len(tokens):
         raise ProbeError(f"{where}: response length {length} with {len(tokens)} tokens")
     mask_key = _key(sample, "loss_mask")

@@ -112,8 +112,11 @@ def _numpy_serialized(items: dict[str, Any]) -> dict[str, Any]:
 
     out = {}
     for key, (dtype, shape, data) in items.items():
+        torch_dtype = getattr(torch, str(dtype), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ProbeError(f"{key}: {str(dtype)[:40]!r} is not a torch dtype")
         raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(-1))
-        out[key] = raw.view(getattr(torch, str(dtype))).view(tuple(shape))
+        out[key] = raw.view(torch_dtype).view(tuple(shape))
     return out
 
 
@@ -144,8 +147,9 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
         check_shapes(file, responses=responses, **{mask_key: mask},
                      rollout_log_probs=rollout, old_log_probs=train)  # fmt: skip
         uids = non_tensor.get("uid")
-        if uids is not None and len(uids) != len(responses):
-            raise ProbeError(f"{file}: {len(uids)} uids for {len(responses)} responses")
+        if uids is not None and (not hasattr(uids, "__len__") or len(uids) != len(responses)):
+            count = len(uids) if hasattr(uids, "__len__") else "no list of"
+            raise ProbeError(f"{file}: {count} uids for {len(responses)} responses")
         for i in range(len(responses)):
             where = f"{file} row {i}"
             keep = np.flatnonzero(as_bool_mask(mask[i], mask_key, where))

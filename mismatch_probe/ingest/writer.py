@@ -7,9 +7,11 @@ footer statistics locate each step exactly (``store.step_row_groups``). Memory i
 The token store is the scan's schema (``store.TOKEN_SCHEMA``) with a ``step`` column and
 without ``setting`` and ``support_flip`` (an ingested run has one source and no flip flags);
 ``token_text`` only when a tokenizer is given. Log-probs the framework left non-finite are
-nulls, which the metric engine reads as padding. Ids: ``seq_id`` counts sequences over the run;
-``prompt_id`` numbers the framework's group keys in order of appearance (a sequence without a
-key is its own prompt); ``sample_id`` is the response's index within its prompt and step.
+nulls, which the metric engine reads as padding. Token ids and positions outside int32's
+``0..2**31-1`` are refused (a cast would store another number). Ids: ``seq_id`` counts
+sequences over the run; ``prompt_id`` numbers the framework's group keys in order of appearance
+(a sequence without a key is its own prompt); ``sample_id`` is the response's index within its
+prompt and step.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mismatch_probe import store
+from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.records import SeqRecord
 
+INT32_MAX = int(np.iinfo(np.int32).max)
 _FIELDS = {f.name: f for f in store.TOKEN_SCHEMA}
 
 
@@ -59,6 +63,17 @@ class Counts:
     null_logprobs: int = 0  # tokens with a non-finite log-prob on either side (not counted)
     empty_sequences: int = 0  # sequences with no trained token (e.g. slime's removed samples)
     steps_without_tokens: list[int] = field(default_factory=list)  # read, but nothing trained
+    # (rule, applied, detail) -> [sequences it touched, tokens]: see ``mask_rules``
+    rules: dict[tuple[str, bool, str], list[int]] = field(default_factory=dict)
+
+    def mask_rules(self) -> list[dict[str, Any]]:
+        """``run.json``'s ``mask_rules``: one entry per rule and outcome, ``{"rule", "applied",
+        "detail", "sequences", "tokens"}``; ``sequences`` counts the records whose tokens the
+        rule removed (applied) or would have changed (not applied), ``tokens`` sums them."""
+        return [
+            {"rule": rule, "applied": applied, "detail": detail, "sequences": n, "tokens": t}
+            for (rule, applied, detail), (n, t) in self.rules.items()
+        ]
 
 
 class RunStoreWriter:
@@ -84,6 +99,10 @@ class RunStoreWriter:
         self.empty_steps: set[int] = set()  # steps with an empty record
 
     def add(self, record: SeqRecord) -> None:
+        for rule in record.mask_rules:
+            seen = self.counts.rules.setdefault((rule.rule, rule.applied, rule.detail), [0, 0])
+            seen[0] += int(rule.tokens > 0)
+            seen[1] += rule.tokens
         if len(record.token_ids) == 0:
             self.counts.empty_sequences += 1
             self.empty_steps.add(record.step)
@@ -97,6 +116,7 @@ class RunStoreWriter:
             self.samples.clear()
         if not steps or record.step != steps[-1]:
             steps.append(record.step)
+        _check_int32(record)
         prompt_id = self._prompt_id(record)
         sample_id = self.samples.get(prompt_id, 0)
         self.samples[prompt_id] = sample_id + 1
@@ -167,6 +187,18 @@ class RunStoreWriter:
         self.tokens.close()
         self.seqs.close()
         return self.counts
+
+
+def _check_int32(record: SeqRecord) -> None:
+    """Token ids and positions fit the store's int32 columns; else one line naming the record."""
+    for name, values in (("token id", record.token_ids), ("position", record.positions)):
+        values = np.asarray(values)
+        outside = (values < 0) | (values > INT32_MAX)
+        if outside.any():
+            raise ProbeError(
+                f"{record.source}: {name} {int(values[outside][0])} is outside "
+                f"0..{INT32_MAX} (the store holds int32; a cast would store another number)"
+            )
 
 
 def _nullable(values: np.ndarray) -> pa.Array:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -30,12 +30,20 @@ from mismatch_probe.training.devices import DEVICE_MAPS
 # Support-flip margin by dtype: about one unit in the last place of a probability near 1, so a
 # boundary within either side's rounding error counts as a possible flip.
 FLIP_EPS = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
-# The float options, which must be finite numbers (the engine rejects infinity only after it
-# has started; NaN passes every comparison): option -> its value in a config.
-FLOAT_OPTIONS = {
-    "--temperature": lambda cfg: cfg.sampling.temperature,
-    "--top-p": lambda cfg: cfg.sampling.top_p,
-    "--flip-eps": lambda cfg: cfg.flip_eps,
+# The rules of each option that takes one value, shared by every config that takes it (scan's,
+# ingest's): option -> (does the value hold, what a valid value is). ``check_options`` first
+# refuses a float that is not finite (the engine rejects infinity only after it has started; NaN
+# passes every comparison), then applies the rule. None (an unset optional value) passes.
+OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "--max-tokens": (lambda v: v >= 1, ">= 1"),
+    "--samples-per-prompt": (lambda v: v >= 1, ">= 1"),
+    "--num-prompts": (lambda v: v >= 1, ">= 1"),
+    "--temperature": (lambda v: v >= 0, ">= 0"),
+    "--top-p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "--top-k": (lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
+    "--batch-tokens": (lambda v: v >= 1, ">= 1"),
+    "--flip-eps": (lambda v: v >= 0, ">= 0"),
+    "--shards": (lambda v: v >= 1, ">= 1"),
 }
 
 
@@ -50,7 +58,20 @@ LIST_OPTIONS: dict[str, tuple[str, Callable[[str, str], tuple[Any, ...]]]] = {
 }
 
 
-def _check_all(values: tuple[Any, ...], allowed: tuple[Any, ...], option: str) -> None:
+def check_options(values: Mapping[str, Any]) -> None:
+    """Each ``option -> value`` against ``OPTION_RULES`` (see there); one line on the first
+    value that fails."""
+    for option, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProbeError(f"{option} must be a finite number, got {value}")
+        holds, valid = OPTION_RULES[option]
+        if not holds(value):
+            raise ProbeError(f"{option} must be {valid}, got {value}")
+
+
+def check_choices(values: tuple[Any, ...], allowed: tuple[Any, ...], option: str) -> None:
     if not values:
         raise ProbeError(f"{option}: give at least one value")
     for value in values:
@@ -93,29 +114,29 @@ class ScanConfig:
 
     def __post_init__(self) -> None:
         s = self.sampling
-        for option, value in FLOAT_OPTIONS.items():
-            number = value(self)
-            if number is not None and not math.isfinite(number):
-                raise ProbeError(f"{option} must be a finite number, got {number}")
-        _check_all(self.rollout_dtypes, DTYPES, "--rollout-dtype")
-        _check_all(self.train_dtypes, DTYPES, "--train-dtype")
-        _check_all(self.kv_cache_dtypes, KV_CACHE_DTYPES, "--kv-cache-dtype")
-        _check_all(self.quantizations, QUANTIZATIONS, "--quantization")
-        _check_all(self.lm_head_fp32, (False, True), "--lm-head-fp32")
-        _check_all(self.routing_replay, REPLAY_MODES, "--routing-replay")
+        check_options(
+            {
+                "--max-tokens": s.max_tokens,
+                "--samples-per-prompt": self.samples_per_prompt,
+                "--num-prompts": self.num_prompts,
+                "--temperature": s.temperature,
+                "--top-p": s.top_p,
+                "--top-k": s.top_k,
+                "--batch-tokens": self.batch_tokens,
+                "--flip-eps": self.flip_eps,
+                "--shards": self.shards,
+            }
+        )
+        check_choices(self.rollout_dtypes, DTYPES, "--rollout-dtype")
+        check_choices(self.train_dtypes, DTYPES, "--train-dtype")
+        check_choices(self.kv_cache_dtypes, KV_CACHE_DTYPES, "--kv-cache-dtype")
+        check_choices(self.quantizations, QUANTIZATIONS, "--quantization")
+        check_choices(self.lm_head_fp32, (False, True), "--lm-head-fp32")
+        check_choices(self.routing_replay, REPLAY_MODES, "--routing-replay")
         if self.train_device_map is not None:
-            _check_all((self.train_device_map,), DEVICE_MAPS, "--train-device-map")
+            check_choices((self.train_device_map,), DEVICE_MAPS, "--train-device-map")
         checks = [
-            (s.max_tokens >= 1, f"--max-tokens must be >= 1, got {s.max_tokens}"),
-            (self.samples_per_prompt >= 1, "--samples-per-prompt must be >= 1"),
-            (self.num_prompts is None or self.num_prompts >= 1, "--num-prompts must be >= 1"),
-            (s.temperature >= 0, f"--temperature must be >= 0, got {s.temperature}"),
-            (0 < s.top_p <= 1, f"--top-p must be in (0, 1], got {s.top_p}"),
-            (s.top_k == -1 or s.top_k >= 1, f"--top-k must be -1 (off) or >= 1, got {s.top_k}"),
-            (self.batch_tokens >= 1, "--batch-tokens must be >= 1"),
-            (self.flip_eps is None or self.flip_eps >= 0, "--flip-eps must be >= 0"),
             (s.logprobs_mode in ("processed", "raw"), "--logprobs-mode: processed or raw"),
-            (self.shards >= 1, f"--shards must be >= 1, got {self.shards}"),
             (not self.resume or self.out is not None, "--resume needs the --out of the run"),
             (not self.resume or self.sharded, "--resume applies to a sharded scan (--shards)"),
         ]
