@@ -25,6 +25,7 @@ RANKS = {
     "routing": 3,  # MoE routes: shapes, replay, their store and metrics
     "metrics": 2,
     "models": 1, "sampling": 1, "settings": 1, "prompts": 1, "progress": 1, "interrupt": 1,
+    "hardware": 1,
     "store": 0,  # the contract between stages
     "errors": -2,
 }  # fmt: skip

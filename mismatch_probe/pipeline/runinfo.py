@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import models, store
@@ -98,17 +97,8 @@ def library_versions() -> dict[str, str]:
 
 
 def hardware() -> dict[str, Any]:
-    import os
+    """The machine the run ran on (``mismatch_probe.hardware``): CPU model and kernel flags, GPUs,
+    and ``compute``, what ``probe check --baseline`` and ``probe compare`` compare."""
+    from mismatch_probe import hardware as machine
 
-    import torch
-
-    info: dict[str, Any] = {
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    return machine.hardware()
