@@ -36,8 +36,9 @@ def run_metadata(
         "rollouts": [_run_record(r) for r in runs],
         "model": {
             "path": str(prep.model_dir.resolve()),
-            "name": prep.model_dir.name,
+            "name": models.model_name(prep.model_dir),
             "config_sha256": models.config_hash(prep.model_dir),
+            **_hub_record(prep),
         },
         "prompts": {
             "path": str(prep.prompts_path),
@@ -51,6 +52,14 @@ def run_metadata(
         "hardware": hardware(),
         "timings": dict(timings),
     }
+
+
+def _hub_record(prep: Prepared) -> dict[str, str]:
+    """``hub_id`` and ``revision`` (the commit) of a model read from the Hugging Face cache."""
+    from mismatch_probe.models.hub import hub_origin
+
+    origin = hub_origin(prep.model_dir)
+    return {"hub_id": origin[0], "revision": origin[1]} if origin else {}
 
 
 def prompts_hash(prep: Prepared) -> str:

@@ -116,7 +116,7 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     started = time.time()
     with timer("prepare"):
         prep = prepare(cfg)
-        out = check_out(cfg, cfg.out_dir(prep.model_dir.name))
+        out = check_out(cfg, cfg.out_dir(models.model_name(prep.model_dir)))
     with make_progress(console) as progress:
         runs, scored = sample_and_rescore(cfg, prep, timer, progress, console)
     with timer("writing"):

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import store
+from mismatch_probe import models, store
 from mismatch_probe.engine import process
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.pipeline import scan
@@ -204,7 +204,7 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
     timer = scan.Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg)
-        out = cfg.out_dir(prep.model_dir.name)
+        out = cfg.out_dir(models.model_name(prep.model_dir))
         plan = plan_shards(len(prep.prompts), cfg.shards)
     # Ray is joined before anything in --out is touched: a wrong address loses nothing.
     with raycluster.connected(cfg.ray) if cfg.ray is not None else nullcontext():
