@@ -257,14 +257,14 @@ def report(run_dir: RunDirArg, metrics_config: MetricsConfig, fmt: FormatOpt = "
 def compare(
     run_dirs: Annotated[
         list[Path],
-        typer.Argument(metavar="RUN_DIR...", help="Run directories; ratios are to the first one."),
+        typer.Argument(metavar="RUN_DIR", help="Run directories; ratios are to the first one."),
     ],
     out: CompareOutOpt = None,
     fmt: FormatOpt = "terminal",
 ) -> None:
     """Compare runs: key metrics with ratios to the first run, overlaid plots, compare.md/.html.
 
-    Warns when the runs differ in model, prompts or sampling.
+    Warns when the runs differ in model, prompts, sampling or hardware.
     """
     from mismatch_probe.report.comment import check_format, comparison_comment
     from mismatch_probe.report.compare import (
