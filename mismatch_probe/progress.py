@@ -158,18 +158,23 @@ def _rate(phase: _Phase, now: float) -> float:
     return phase.done / max(now - phase.started, 1e-9)
 
 
+def _rate_text(rate: float) -> str:
+    """``25.0``, ``0.00027``: a slow phase's rate keeps its significant digits."""
+    return f"{rate:.1f}" if rate >= 1 or rate == 0 else f"{rate:.2g}"
+
+
 def _progress_line(phase: _Phase, now: float) -> str:
     rate = _rate(phase, now)
     percent = f" ({100 * phase.done // phase.total}%)" if phase.total else ""
     eta = _clock_text((phase.total - phase.done) / rate) if rate > 0 else "?"
     return (
         f"{phase.description}: {phase.done}/{phase.total} {phase.unit}{percent}, "
-        f"{rate:.1f} {phase.unit}/s, elapsed {_clock_text(now - phase.started)}, ETA {eta}"
+        f"{_rate_text(rate)} {phase.unit}/s, elapsed {_clock_text(now - phase.started)}, ETA {eta}"
     )
 
 
 def _done_line(phase: _Phase, now: float) -> str:
     return (
         f"{phase.description}: done, {phase.done} {phase.unit} in "
-        f"{_clock_text(now - phase.started)} ({_rate(phase, now):.1f} {phase.unit}/s)"
+        f"{_clock_text(now - phase.started)} ({_rate_text(_rate(phase, now))} {phase.unit}/s)"
     )

@@ -65,8 +65,8 @@ def test_vllm_callback_and_long_phases() -> None:
     bar.close()
     assert buffer.getvalue().splitlines() == [
         "gen rollout=fp32: started, 4 responses",
-        "gen rollout=fp32: 1/4 responses (25%), 0.0 responses/s, elapsed 1:01:40, ETA 3:05:00",
-        "gen rollout=fp32: done, 4 responses in 3:05:00 (0.0 responses/s)",
+        "gen rollout=fp32: 1/4 responses (25%), 0.00027 responses/s, elapsed 1:01:40, ETA 3:05:00",
+        "gen rollout=fp32: done, 4 responses in 3:05:00 (0.00036 responses/s)",
     ]
 
 
