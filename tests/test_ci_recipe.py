@@ -328,3 +328,14 @@ def test_make_test_without_root_skips_only_the_browser_and_says_so(tmp_path: Pat
     )
     assert result.returncode == 0, result.stderr
     assert "every test but the browser test of report.html runs" in result.stdout
+
+
+@pytest.mark.parametrize("path", [RECIPE, ACTION, EXAMPLE], ids=lambda p: p.name)
+def test_every_run_script_is_valid_bash(path: Path) -> None:
+    """``bash -n`` on each run step (expressions ``${{ ... }}`` replaced by a word), what
+    actionlint's shellcheck pass would start with where it is not installed."""
+    for s in steps(load(path)):
+        if "run" in s:
+            script = re.sub(r"\$\{\{.*?\}\}", "X", s["run"])
+            result = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
+            assert result.returncode == 0, f"{s.get('name')}: {result.stderr}"
