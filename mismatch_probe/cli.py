@@ -17,6 +17,13 @@ from rich.console import Console
 from rich.text import Text
 
 from mismatch_probe import interrupt
+from mismatch_probe.cli_help import (
+    ProbeCommand,
+    ProbeGroup,
+    epilog,
+    print_version,
+    show_help_without_command,
+)
 from mismatch_probe.errors import ProbeError, printable
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
@@ -26,6 +33,7 @@ from mismatch_probe.options import (
     BatchTokensOpt,
     ChatOpt,
     CompareOutOpt,
+    ConvertAgainOpt,
     FlipEpsOpt,
     ForceOpt,
     FormatArg,
@@ -62,6 +70,9 @@ from mismatch_probe.options import (
     StepsOpt,
     StrictOpt,
     TemperatureOpt,
+    TinyArchOpt,
+    TinyOutArg,
+    TinySeedOpt,
     TopKOpt,
     TopPOpt,
     TrainDeviceMapOpt,
@@ -79,21 +90,48 @@ RAY_LOCAL = "local"  # what a bare --ray means
 ON_OFF_NAME = {value: name for name, value in ON_OFF.items()}
 
 app = typer.Typer(
-    help="Measure the training-inference mismatch of a language model.",
-    no_args_is_help=True,
+    cls=ProbeGroup,
+    help="Measure the training-inference mismatch of a language model: sample with vLLM, "
+    "rescore the same tokens with transformers, report and gate the difference.",
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-models_app = typer.Typer(help="Prepare and build models.", no_args_is_help=True)
+models_app = typer.Typer(cls=ProbeGroup, help="Prepare and build models.")
 app.add_typer(models_app, name="models")
+
+
+@app.callback(invoke_without_command=True)
+def _probe(
+    ctx: typer.Context,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            metavar="",
+            callback=print_version,
+            is_eager=True,
+            help="Print probe's version and exit.",
+        ),
+    ] = False,
+) -> None:
+    show_help_without_command(ctx)
+
+
+@models_app.callback(invoke_without_command=True)
+def _models(ctx: typer.Context) -> None:
+    show_help_without_command(ctx)
+
 
 # --- metrics ----------------------------------------------------------------------------------
 
 
-@app.command("metrics")
+@app.command("metrics", cls=ProbeCommand, epilog=epilog("metrics"))
 @metric_options
 def metrics_command(
-    path: Annotated[Path, typer.Argument(help="Run directory or token-store Parquet file.")],
+    path: Annotated[
+        Path,
+        typer.Argument(metavar="RUN_DIR|FILE", help="Run directory or token-store Parquet file."),
+    ],
     metrics_config: MetricsConfig,
     setting: SettingOpt = None,
     step: StepOpt = None,
@@ -130,7 +168,7 @@ def main() -> None:
     try:
         with interrupt.handled():
             args = _bare_ray(sys.argv[1:])
-            code = app(args, standalone_mode=False)  # typer.Exit(n) comes back as n
+            code = app(args, prog_name="probe", standalone_mode=False)  # typer.Exit(n) -> n
     except interrupt.Interrupted as exc:
         _stop_engines(before)
         print(exc.message(), file=sys.stderr)
@@ -193,7 +231,7 @@ def _print_paths(console: Console, paths: dict[str, Path]) -> None:
         console.print(Text(f"  {name:<16} {printable(str(path))}"), soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=ProbeCommand, epilog=epilog("report"))
 @metric_options
 def report(run_dir: RunDirArg, metrics_config: MetricsConfig, fmt: FormatOpt = "terminal") -> None:
     """Re-render a run's terminal report, plots, report.md, report.html and metrics.json.
@@ -214,17 +252,18 @@ def report(run_dir: RunDirArg, metrics_config: MetricsConfig, fmt: FormatOpt = "
     _print_paths(console, paths)
 
 
-@app.command()
+@app.command(cls=ProbeCommand, epilog=epilog("compare"))
 def compare(
     run_dirs: Annotated[
-        list[Path], typer.Argument(help="Run directories; ratios are to the first one.")
+        list[Path],
+        typer.Argument(metavar="RUN_DIR", help="Run directories; ratios are to the first one."),
     ],
     out: CompareOutOpt = None,
     fmt: FormatOpt = "terminal",
 ) -> None:
     """Compare runs: key metrics with ratios to the first run, overlaid plots, compare.md/.html.
 
-    Warns when the runs differ in model, prompts or sampling.
+    Warns when the runs differ in model, prompts, sampling or hardware.
     """
     from mismatch_probe.report.comment import check_format, comparison_comment
     from mismatch_probe.report.compare import (
@@ -245,7 +284,7 @@ def compare(
     _print_paths(console, paths)
 
 
-@app.command()
+@app.command(cls=ProbeCommand, epilog=epilog("check"))
 def check(
     run_dir: RunDirArg,
     max_bound: MaxBoundOpt = None,
@@ -256,8 +295,11 @@ def check(
     allow_different: AllowDifferentOpt = False,
     step: StepOpt = None,
 ) -> None:
-    """Check metric bounds, and growth over a baseline run (for CI): exit 0 when all hold,
-    1 when any fails, 2 on bad usage or runs that are not comparable."""
+    """Check metric bounds, and growth over a baseline run (for CI).
+
+    Exit 0 when all hold, 1 when any fails, 2 on bad usage or runs that are not comparable
+    (model, prompts, sampling or hardware differ).
+    """
     from mismatch_probe.report.baseline import render_gate, run_gate
 
     gate = run_gate(
@@ -278,7 +320,7 @@ def check(
 # --- scan, ingest and models ------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=ProbeCommand, epilog=epilog("scan"))
 def scan(
     model: ModelOpt = SCAN.model,
     prompts: PromptsOpt = SCAN.prompts,
@@ -314,8 +356,9 @@ def scan(
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
-    Defaults, parsing and validation come from ``ScanConfig`` (``from_options``) and
-    ``SamplingSpec``: the library and the command line cannot disagree.
+    Each combination of the precision options is a setting: one engine per rollout setting,
+    one training model per training dtype. Writes the token store (Parquet), metrics, plots,
+    report.md and report.html to --out.
     """
     options = dict(locals())  # the parameters above, by name: nothing else is defined yet
     from mismatch_probe.pipeline.scan import run_scan
@@ -330,7 +373,7 @@ def scan(
     render_summary(result, console)
 
 
-@app.command()
+@app.command(cls=ProbeCommand, epilog=epilog("ingest"))
 def ingest(
     format_name: FormatArg,
     path: SourceArg,
@@ -362,9 +405,9 @@ def ingest(
     render_ingest(run_ingest(cfg), _stdout_console())
 
 
-@models_app.command("prepare")
+@models_app.command("prepare", cls=ProbeCommand, epilog=epilog("models prepare"))
 def models_prepare(
-    force: Annotated[bool, typer.Option("--force", help="Convert again even if cached.")] = False,
+    force: ConvertAgainOpt = False,
 ) -> None:
     """Convert the embedded SmolLM2-135M-Instruct GGUF into an fp32 checkpoint in the cache."""
     from mismatch_probe.models import prepare_default_model
@@ -372,17 +415,11 @@ def models_prepare(
     print(prepare_default_model(force=force))
 
 
-@models_app.command("tiny")
+@models_app.command("tiny", cls=ProbeCommand, epilog=epilog("models tiny"))
 def models_tiny(
-    out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint to.")],
-    arch: Annotated[
-        str,
-        typer.Option(
-            "--arch",
-            help="Architecture: llama (dense); qwen3_moe or mixtral (MoE: 8 experts, top-2).",
-        ),
-    ] = "llama",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+    out: TinyOutArg,
+    arch: TinyArchOpt = "llama",
+    seed: TinySeedOpt = 0,
 ) -> None:
     """Build a tiny random-weight checkpoint (for tests and trying the tool)."""
     from mismatch_probe.models.tiny import build_tiny_model

@@ -1,5 +1,9 @@
 """Every ``probe`` option, declared once (``Annotated`` aliases) and shared by the commands
-that take it, so that a name or its help text lives in one place."""
+that take it, so that a name, its help text, its metavar and its help panel live in one place.
+
+A metavar names what the value is (``N``, ``DIR``, ``METRIC=VALUE``) or lists the valid choices
+(``[processed|raw]``); a flag has none. ``tests/test_cli_help.py`` checks the choices against the
+library's own tables."""
 
 from __future__ import annotations
 
@@ -12,14 +16,36 @@ from typing import Annotated, Any
 
 import typer
 
+# The help panels the options are grouped in (``rich_help_panel``), in the order a user reads them.
+MODEL = "Model and prompts"
+SAMPLING = "Sampling"
+PRECISION = "Precision settings"
+ATTRIBUTION = "Attribution"
+SCALE = "Scale"
+SELECTION = "What to read"
+CORRECTION = "Correction (IS weights and rejection)"
+BOUNDS = "Bounds"
+BASELINE = "Baseline"
+OUTPUT = "Output"
+PANELS: tuple[str, ...] = (MODEL, SELECTION, SAMPLING, PRECISION, ATTRIBUTION, SCALE)
+PANELS += (CORRECTION, BOUNDS, BASELINE, OUTPUT)  # output last on every command
+
 RolloutIsOpt = Annotated[
-    str, typer.Option("--rollout-is", help="IS weight level: token, sequence or none.")
+    str,
+    typer.Option(
+        "--rollout-is",
+        metavar="[token|sequence|none]",
+        rich_help_panel=CORRECTION,
+        help="IS weight level: token, sequence or none.",
+    ),
 ]
 
 RolloutIsThresholdOpt = Annotated[
     str,
     typer.Option(
         "--rollout-is-threshold",
+        metavar="C|L_U",
+        rich_help_panel=CORRECTION,
         help="IS bound: C truncates weights at C (TIS); L_U zeroes weights outside [L, U] "
         "(IcePop), e.g. 0.5_5.0.",
     ),
@@ -29,6 +55,8 @@ RolloutRsOpt = Annotated[
     str | None,
     typer.Option(
         "--rollout-rs",
+        metavar="OPTION[,OPTION...]",
+        rich_help_panel=CORRECTION,
         help="Rejection options, comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
         "seq_max_k2, seq_max_k3 (a token survives when every option keeps it).",
     ),
@@ -38,6 +66,8 @@ RolloutRsThresholdOpt = Annotated[
     str | None,
     typer.Option(
         "--rollout-rs-threshold",
+        metavar="T[,T...]",
+        rich_help_panel=CORRECTION,
         help="One threshold for all options or one per option, comma-separated: L_U or X "
         "(= 1/X_X) for k1 options, one number U for k2/k3 options.",
     ),
@@ -45,13 +75,20 @@ RolloutRsThresholdOpt = Annotated[
 
 BatchNormalizeOpt = Annotated[
     bool,
-    typer.Option("--batch-normalize", help="Also report the IS batch normalisation factor."),
+    typer.Option(
+        "--batch-normalize",
+        metavar="",
+        rich_help_panel=CORRECTION,
+        help="Also report the IS batch normalisation factor.",
+    ),
 ]
 
 PresetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--preset",
+        metavar="PRESET",
+        rich_help_panel=CORRECTION,
         help="Correction preset to evaluate, repeatable (default: all): token_is, seq_is, "
         "token_icepop, seq_is_rs, geo_rs, k3_rs, geo_rs_token_tis, geo_rs_seq_tis, "
         "k3_rs_token_tis, k3_rs_seq_tis.",
@@ -61,20 +98,33 @@ PresetOpt = Annotated[
 SettingOpt = Annotated[
     str | None,
     typer.Option(
-        "--setting", help="Use only the rows of this setting (needed when there are several)."
+        "--setting",
+        metavar="SETTING",
+        rich_help_panel=SELECTION,
+        help="Use only the rows of this setting (needed when there are several).",
     ),
 ]
 
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one flat JSON object (spec names) instead of tables.")
+    bool,
+    typer.Option(
+        "--json",
+        metavar="",
+        rich_help_panel=OUTPUT,
+        help="Print one flat JSON object (spec names) instead of tables.",
+    ),
 ]
 
-RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by probe scan.")]
+RunDirArg = Annotated[
+    Path, typer.Argument(metavar="RUN_DIR", help="Run directory written by probe scan.")
+]
 
 CompareOutOpt = Annotated[
     Path | None,
     typer.Option(
         "--out",
+        metavar="DIR",
+        rich_help_panel=OUTPUT,
         help="Directory for compare.md and the overlaid plots "
         "(default: reports/compare-<timestamp>/).",
     ),
@@ -84,6 +134,8 @@ FormatOpt = Annotated[
     str,
     typer.Option(
         "--format",
+        metavar="[terminal|pr-comment]",
+        rich_help_panel=OUTPUT,
         help="What to print: terminal (tables) or pr-comment (GitHub Markdown for a pull "
         "request, no images, under 60,000 characters). The files are written either way.",
     ),
@@ -92,7 +144,10 @@ FormatOpt = Annotated[
 MaxBoundOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--max", help="METRIC=VALUE: fail when METRIC is above VALUE, e.g. k3_kl=1e-3; repeatable."
+        "--max",
+        metavar="METRIC=VALUE",
+        rich_help_panel=BOUNDS,
+        help="METRIC=VALUE: fail when METRIC is above VALUE, e.g. k3_kl=1e-3; repeatable.",
     ),
 ]
 
@@ -100,6 +155,8 @@ MinBoundOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--min",
+        metavar="METRIC=VALUE",
+        rich_help_panel=BOUNDS,
         help="METRIC=VALUE: fail when METRIC is below VALUE, e.g. prob_pearson=0.99; repeatable.",
     ),
 ]
@@ -108,6 +165,8 @@ BaselineOpt = Annotated[
     Path | None,
     typer.Option(
         "--baseline",
+        metavar="RUN_DIR",
+        rich_help_panel=BASELINE,
         help="Baseline run directory (e.g. the scan of the main branch) for --max-increase.",
     ),
 ]
@@ -116,6 +175,8 @@ MaxIncreaseOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--max-increase",
+        metavar="METRIC=Fx|METRIC=+A",
+        rich_help_panel=BASELINE,
         help="METRIC=FACTORx or METRIC=+AMOUNT: fail when METRIC grew past FACTOR times (or "
         "AMOUNT above) the baseline's, e.g. k3_kl=1.5x, f_tau_2=+0.001; repeatable.",
     ),
@@ -125,6 +186,8 @@ SignificanceOpt = Annotated[
     float,
     typer.Option(
         "--significance",
+        metavar="LEVEL",
+        rich_help_panel=BASELINE,
         help="Confidence level of the bootstrap intervals (k3_kl, chi2_token): an increase "
         "fails only when its whole interval is past the limit.",
     ),
@@ -134,8 +197,10 @@ AllowDifferentOpt = Annotated[
     bool,
     typer.Option(
         "--allow-different",
-        help="Gate against a baseline that differs in model config, prompts or sampling "
-        "(otherwise exit 2 saying what differs).",
+        metavar="",
+        rich_help_panel=BASELINE,
+        help="Gate against a baseline that differs in model config, prompts, sampling or "
+        "hardware (CPU model and instruction sets, GPU) (otherwise exit 2 saying what differs).",
     ),
 ]
 
@@ -143,8 +208,12 @@ ModelOpt = Annotated[
     Path | None,
     typer.Option(
         "--model",
-        help="Local transformers checkpoint directory, or a .gguf file (converted once into "
-        "the cache). Default: the embedded SmolLM2-135M-Instruct.",
+        metavar="PATH|ORG/NAME[@REV]",
+        rich_help_panel=MODEL,
+        help="Local transformers checkpoint directory, a .gguf file (converted once into "
+        "the cache), or a Hugging Face hub id (org/name, org/name@revision) already in the "
+        "local Hugging Face cache (HF_HUB_CACHE, HF_HOME; never downloaded). Default: the "
+        "embedded SmolLM2-135M-Instruct.",
     ),
 ]
 
@@ -152,33 +221,77 @@ PromptsOpt = Annotated[
     Path | None,
     typer.Option(
         "--prompts",
+        metavar="FILE",
+        rich_help_panel=MODEL,
         help="JSONL prompts file: one object a line with 'prompt' (text) or 'messages' (chat). "
         "Default: the bundled prompts/default.jsonl.",
     ),
 ]
 
 NumPromptsOpt = Annotated[
-    int | None, typer.Option("--num-prompts", help="Use only the first N prompts.")
+    int | None,
+    typer.Option(
+        "--num-prompts", metavar="N", rich_help_panel=MODEL, help="Use only the first N prompts."
+    ),
 ]
 
 SamplesOpt = Annotated[
-    int, typer.Option("--samples-per-prompt", help="Responses sampled per prompt.")
+    int,
+    typer.Option(
+        "--samples-per-prompt",
+        metavar="N",
+        rich_help_panel=SAMPLING,
+        help="Responses sampled per prompt.",
+    ),
 ]
 
-MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", help="Maximum response length.")]
+MaxTokensOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens", metavar="N", rich_help_panel=SAMPLING, help="Maximum response length."
+    ),
+]
 
-TemperatureOpt = Annotated[float, typer.Option("--temperature", help="Sampling temperature.")]
+TemperatureOpt = Annotated[
+    float,
+    typer.Option(
+        "--temperature", metavar="T", rich_help_panel=SAMPLING, help="Sampling temperature."
+    ),
+]
 
-TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass; 1 disables.")]
+TopPOpt = Annotated[
+    float,
+    typer.Option(
+        "--top-p", metavar="P", rich_help_panel=SAMPLING, help="Nucleus sampling mass; 1 disables."
+    ),
+]
 
-TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; -1 off.")]
+TopKOpt = Annotated[
+    int,
+    typer.Option(
+        "--top-k",
+        metavar="K",
+        rich_help_panel=SAMPLING,
+        help="Keep the k most likely tokens; -1 off.",
+    ),
+]
 
-SeedOpt = Annotated[int, typer.Option("--seed", help="Base seed; each request gets its own.")]
+SeedOpt = Annotated[
+    int,
+    typer.Option(
+        "--seed",
+        metavar="SEED",
+        rich_help_panel=SAMPLING,
+        help="Base seed; each request gets its own.",
+    ),
+]
 
 LogprobsModeOpt = Annotated[
     str | None,
     typer.Option(
         "--logprobs-mode",
+        metavar="[processed|raw]",
+        rich_help_panel=SAMPLING,
         help="processed: log-probs after temperature/top-k/top-p (what RL frameworks use); "
         "raw: before any processing. The rescoring follows the same mode. Default: processed "
         "(raw with --attribute, which needs it).",
@@ -189,6 +302,8 @@ RolloutDtypeOpt = Annotated[
     str,
     typer.Option(
         "--rollout-dtype",
+        metavar="DTYPE[,DTYPE...]",
+        rich_help_panel=PRECISION,
         help="vLLM dtype(s): float32, float16, bfloat16; a comma list runs each as a setting.",
     ),
 ]
@@ -197,6 +312,8 @@ TrainDtypeOpt = Annotated[
     str,
     typer.Option(
         "--train-dtype",
+        metavar="DTYPE[,DTYPE...]",
+        rich_help_panel=PRECISION,
         help="Training-side dtype(s): float32, float16, bfloat16; a comma list runs each.",
     ),
 ]
@@ -205,6 +322,8 @@ KvCacheDtypeOpt = Annotated[
     str,
     typer.Option(
         "--kv-cache-dtype",
+        metavar="DTYPE[,DTYPE...]",
+        rich_help_panel=PRECISION,
         help="vLLM KV-cache dtype(s): auto, fp8, fp8_e4m3, fp8_e5m2 (comma list).",
     ),
 ]
@@ -213,6 +332,8 @@ QuantizationOpt = Annotated[
     str,
     typer.Option(
         "--quantization",
+        metavar="[none|fp8][,...]",
+        rich_help_panel=PRECISION,
         help="vLLM weight quantization(s): none, fp8 (comma list; fp8 needs a GPU backend).",
     ),
 ]
@@ -221,6 +342,8 @@ LmHeadFp32Opt = Annotated[
     str,
     typer.Option(
         "--lm-head-fp32",
+        metavar="[off|on|off,on]",
+        rich_help_panel=PRECISION,
         help="Run vLLM's LM head in float32 (hf_overrides head_dtype): off, on, or off,on.",
     ),
 ]
@@ -229,6 +352,8 @@ RoutingReplayOpt = Annotated[
     str,
     typer.Option(
         "--routing-replay",
+        metavar="[none|rollout|none,rollout]",
+        rich_help_panel=PRECISION,
         help="MoE models: none (the trainer routes itself), rollout (R3: force the engine's "
         "routes in the training forward), or none,rollout to see what R3 removes.",
     ),
@@ -238,6 +363,8 @@ SameTokensOpt = Annotated[
     bool,
     typer.Option(
         "--same-tokens",
+        metavar="",
+        rich_help_panel=PRECISION,
         help="Score the first rollout setting's tokens in every engine (forced continuation, "
         "raw prefill log-probs), so settings differ only by numerics.",
     ),
@@ -245,26 +372,40 @@ SameTokensOpt = Annotated[
 
 StrictOpt = Annotated[
     bool,
-    typer.Option("--strict", help="A setting the backend cannot run is an error (exit 2)."),
+    typer.Option(
+        "--strict",
+        metavar="",
+        rich_help_panel=PRECISION,
+        help="A setting the backend cannot run is an error (exit 2).",
+    ),
 ]
 
 ChatOpt = Annotated[
     bool | None,
     typer.Option(
         "--chat/--no-chat",
+        metavar="",
+        rich_help_panel=MODEL,
         help="Apply the tokenizer's chat template (default: on when the tokenizer has one).",
     ),
 ]
 
 OutOpt = Annotated[
     Path | None,
-    typer.Option("--out", help="Output directory (default: reports/<model>-<timestamp>/)."),
+    typer.Option(
+        "--out",
+        metavar="DIR",
+        rich_help_panel=OUTPUT,
+        help="Output directory (default: reports/<model>-<timestamp>/).",
+    ),
 ]
 
 ForceOpt = Annotated[
     bool,
     typer.Option(
         "--force",
+        metavar="",
+        rich_help_panel=OUTPUT,
         help="Write into an --out directory that holds a run already, replacing its files.",
     ),
 ]
@@ -273,6 +414,8 @@ VllmArgOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--vllm-arg",
+        metavar="KEY=VALUE",
+        rich_help_panel=PRECISION,
         help="Extra vLLM engine argument key=value (value parsed as JSON when it can be), "
         "repeatable, e.g. --vllm-arg tensor_parallel_size=2 --vllm-arg max_num_seqs=8. Arguments "
         "probe sets from its own options (dtype, seed, ...) are refused: use those options.",
@@ -283,6 +426,8 @@ AttributeOpt = Annotated[
     bool,
     typer.Option(
         "--attribute",
+        metavar="",
+        rich_help_panel=ATTRIBUTION,
         help="Also score the same tokens at every rung (engine prefill batched and one at a "
         "time, transformers at the rollout dtype) and split the mismatch into links: "
         "attribution.json, a report section and plots/attribution.png. Scans in raw mode.",
@@ -293,8 +438,11 @@ StaleModelOpt = Annotated[
     Path | None,
     typer.Option(
         "--stale-model",
-        help="With --attribute: a second checkpoint (e.g. the next training step) rescoring the "
-        "same tokens at the training dtype; adds the staleness link.",
+        metavar="PATH|ORG/NAME[@REV]",
+        rich_help_panel=ATTRIBUTION,
+        help="With --attribute: a second checkpoint (e.g. the next training step; a directory, "
+        ".gguf or cached hub id like --model) rescoring the same tokens at the training dtype; "
+        "adds the staleness link.",
     ),
 ]
 
@@ -302,6 +450,8 @@ BatchTokensOpt = Annotated[
     int,
     typer.Option(
         "--batch-tokens",
+        metavar="N",
+        rich_help_panel=SCALE,
         help="Padded tokens per rescoring forward pass; also bounds how many positions' "
         "logits exist at once.",
     ),
@@ -311,6 +461,8 @@ FlipEpsOpt = Annotated[
     float | None,
     typer.Option(
         "--flip-eps",
+        metavar="EPS",
+        rich_help_panel=SAMPLING,
         help="Top-k/top-p boundary margin under which a token is flagged as a support flip "
         "(default by rollout dtype: fp32 1e-4, fp16 1e-3, bf16 8e-3).",
     ),
@@ -320,6 +472,8 @@ StepOpt = Annotated[
     str | None,
     typer.Option(
         "--step",
+        metavar="N|last",
+        rich_help_panel=SELECTION,
         help="Only one training step of an ingested run: a step number or 'last'.",
     ),
 ]
@@ -327,42 +481,60 @@ StepOpt = Annotated[
 FormatArg = Annotated[
     str,
     typer.Argument(
+        metavar="FORMAT",
         help="Log format: prime-rl, nemo-rl, slime, miles-parquet, verl-dp, skyrl (these two "
-        "with --trust-pickle) or probe (our token schema)."
+        "with --trust-pickle) or probe (our token schema).",
     ),
 ]
 
 SourceArg = Annotated[
     Path,
     typer.Argument(
+        metavar="PATH",
         help="The framework's output: prime-rl output dir (or its token_exports/), NeMo-RL "
         "log dir, slime/Miles dump_details dir, a directory of verl step_<N>.dp dumps, SkyRL "
-        "export_path (or its dumped_data/), or a ProbeWriter directory."
+        "export_path (or its dumped_data/), or a ProbeWriter directory.",
     ),
 ]
 
 IngestOutOpt = Annotated[
-    Path, typer.Option("--out", help="Run directory to create (must not exist or be empty).")
+    Path,
+    typer.Option(
+        "--out",
+        metavar="DIR",
+        rich_help_panel=OUTPUT,
+        help="Run directory to create (must not exist or be empty).",
+    ),
 ]
 
 IngestModelOpt = Annotated[
     Path | None,
     typer.Option(
         "--model",
-        help="Checkpoint of the trained model: rescores formats without a training side "
-        "(miles-parquet) and adds each token's text to the reports.",
+        metavar="PATH|ORG/NAME[@REV]",
+        rich_help_panel=MODEL,
+        help="Checkpoint of the trained model (a directory, .gguf or cached hub id like scan's "
+        "--model): rescores formats without a training side (miles-parquet) and adds each "
+        "token's text to the reports.",
     ),
 ]
 
 StepsOpt = Annotated[
     str | None,
-    typer.Option("--steps", help="Training steps to read, inclusive: N, A:B, A: or :B."),
+    typer.Option(
+        "--steps",
+        metavar="N|A:B|A:|:B",
+        rich_help_panel=SELECTION,
+        help="Training steps to read, inclusive: N, A:B, A: or :B.",
+    ),
 ]
 
 TrustPickleOpt = Annotated[
     bool,
     typer.Option(
         "--trust-pickle",
+        metavar="",
+        rich_help_panel=SELECTION,
         help="Allow pickle-based dumps: verl-dp (.dp) and skyrl (.pkl), which are Python "
         "pickles, and slime .pt files holding more than tensors and lists. They are rebuilt "
         "from a whitelist of numpy/torch types (never importing verl, tensordict, SkyRL or "
@@ -375,6 +547,8 @@ TrainDeviceMapOpt = Annotated[
     str | None,
     typer.Option(
         "--train-device-map",
+        metavar="[auto|balanced|cuda|cpu]",
+        rich_help_panel=SCALE,
         help="Where the training-side model runs: auto or balanced (split across GPUs, then "
         "CPU), cuda (one GPU) or cpu. Default: auto when several GPUs are visible or the model "
         "does not fit one GPU, else cuda (cpu without a GPU).",
@@ -385,6 +559,8 @@ ShardsOpt = Annotated[
     int,
     typer.Option(
         "--shards",
+        metavar="N",
+        rich_help_panel=SCALE,
         help="Split the prompts into N shards, each run (rollout + rescoring) on its own and "
         "written as its part of the store (tokens/shard=K/); with --ray, one Ray task each.",
     ),
@@ -394,6 +570,8 @@ RayOpt = Annotated[
     str | None,
     typer.Option(
         "--ray",
+        metavar="ADDRESS",
+        rich_help_panel=SCALE,
         help="Run the shards as Ray tasks: local (start a local Ray instance; also a bare --ray), "
         "auto (the cluster this machine belongs to) or a cluster address such as "
         "ray://head:10001.",
@@ -404,6 +582,8 @@ ResumeOpt = Annotated[
     bool,
     typer.Option(
         "--resume",
+        metavar="",
+        rich_help_panel=SCALE,
         help="Sharded scan: skip the finished shards in --out and redo the others; options "
         "that differ from the recorded run are refused.",
     ),
@@ -413,11 +593,41 @@ VerboseOpt = Annotated[
     bool,
     typer.Option(
         "--verbose",
+        metavar="",
+        rich_help_panel=OUTPUT,
         help="Show the engine's logs (vLLM, Triton, torch) on the terminal; by default they go "
         "to a log file under the cache, named when an engine fails.",
     ),
 ]
 
+
+ConvertAgainOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force", metavar="", rich_help_panel=OUTPUT, help="Convert again even if cached."
+    ),
+]
+
+TinyOutArg = Annotated[
+    Path, typer.Argument(metavar="OUT", help="Directory to write the checkpoint to.")
+]
+
+TinyArchOpt = Annotated[
+    str,
+    typer.Option(
+        "--arch",
+        metavar="[llama|qwen3_moe|mixtral]",
+        rich_help_panel=MODEL,
+        help="Architecture: llama (dense); qwen3_moe or mixtral (MoE: 8 experts, top-2).",
+    ),
+]
+
+TinySeedOpt = Annotated[
+    int,
+    typer.Option(
+        "--seed", metavar="SEED", rich_help_panel=MODEL, help="Seed of the random weights."
+    ),
+]
 
 # --- the metric options block, shared by `probe metrics` and `probe report` ------------------
 

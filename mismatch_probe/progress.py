@@ -1,12 +1,18 @@
-"""Progress bars (rich) for generation and rescoring.
+"""Progress of generation and rescoring: rich bars on a terminal, plain lines elsewhere.
 
 vLLM's ``LLM.generate(use_tqdm=callable)`` drives a tqdm-like object; ``vllm_progress`` returns
-such a callable backed by a rich ``Progress`` task, so both phases share one display.
+such a callable backed by a progress task, so both phases share one display. Where nobody watches
+a terminal (CI logs, ``| tee``), rich's bars would print nothing until the end: ``make_progress``
+returns a ``PlainProgress`` there, which prints a line when a phase starts, every
+``PlainProgress.interval`` seconds or 10% of the phase, and when it ends, each with its rate and
+ETA, and no ANSI codes.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rich.progress import (
@@ -19,7 +25,10 @@ from rich.progress import (
 )
 
 
-def make_progress(console: Any) -> Progress:
+def make_progress(console: Any) -> Any:
+    """Rich bars when ``console`` is a terminal, else a ``PlainProgress`` writing to it."""
+    if not console.is_terminal:
+        return PlainProgress(console)
     return Progress(
         TextColumn("[bold]{task.description:<12}"),
         BarColumn(),
@@ -70,3 +79,102 @@ def vllm_progress(progress: Progress, description: str, total: int) -> Any:
         return _RichTqdm(progress, description, total)
 
     return factory
+
+
+@dataclass
+class _Phase:
+    description: str
+    total: int
+    unit: str
+    started: float
+    done: int = 0
+    last_line: float = 0.0  # when the last line of this phase was printed
+    last_decile: int = 0  # the last tenth of the phase a line was printed for
+
+
+class PlainProgress:
+    """The part of rich's ``Progress`` the scan uses (``add_task``, ``update``, ``refresh``, a
+    context manager), printed as plain lines to ``console.file`` (looked up at each line: the
+    scan may point the console at another stream while engines run).
+
+    A line when a phase starts, then whenever another tenth of it is done or ``interval``
+    seconds have passed since the last line, and when it completes::
+
+        gen bfloat16: started, 128 responses
+        gen bfloat16: 64/128 responses (50%), 12.3 responses/s, elapsed 0:05, ETA 0:05
+        gen bfloat16: done, 128 responses in 0:10 (12.3 responses/s)
+    """
+
+    interval = 10.0  # seconds between two lines of a phase that advances slowly
+
+    def __init__(self, console: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self._console = console
+        self._clock = clock
+        self._phases: list[_Phase] = []
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, description: str, total: int, unit: str = "", **_fields: Any) -> int:
+        now = self._clock()
+        self._phases.append(_Phase(description, int(total), unit, now, last_line=now))
+        self._print(f"{description}: started, {total} {unit}".rstrip())
+        return len(self._phases) - 1
+
+    def update(self, task: int, advance: int = 0, **_fields: Any) -> None:
+        phase = self._phases[task]
+        if phase.total and phase.done >= phase.total:
+            return  # finished (its line printed)
+        phase.done += advance
+        now = self._clock()
+        decile = 10 * phase.done // phase.total if phase.total else 0
+        if phase.total and phase.done >= phase.total:
+            self._print(_done_line(phase, now))
+        elif decile > phase.last_decile or now - phase.last_line >= self.interval:
+            self._print(_progress_line(phase, now))
+        else:
+            return
+        phase.last_line, phase.last_decile = now, decile
+
+    def refresh(self) -> None:
+        return None
+
+    def _print(self, line: str) -> None:
+        if not getattr(self._console, "quiet", False):
+            print(line, file=self._console.file, flush=True)
+
+
+def _clock_text(seconds: float) -> str:
+    """``0:05``, ``12:30``, ``1:02:03``."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _rate(phase: _Phase, now: float) -> float:
+    return phase.done / max(now - phase.started, 1e-9)
+
+
+def _rate_text(rate: float) -> str:
+    """``25.0``, ``0.00027``: a slow phase's rate keeps its significant digits."""
+    return f"{rate:.1f}" if rate >= 1 or rate == 0 else f"{rate:.2g}"
+
+
+def _progress_line(phase: _Phase, now: float) -> str:
+    rate = _rate(phase, now)
+    percent = f" ({100 * phase.done // phase.total}%)" if phase.total else ""
+    eta = _clock_text((phase.total - phase.done) / rate) if rate > 0 else "?"
+    return (
+        f"{phase.description}: {phase.done}/{phase.total} {phase.unit}{percent}, "
+        f"{_rate_text(rate)} {phase.unit}/s, elapsed {_clock_text(now - phase.started)}, ETA {eta}"
+    )
+
+
+def _done_line(phase: _Phase, now: float) -> str:
+    return (
+        f"{phase.description}: done, {phase.done} {phase.unit} in "
+        f"{_clock_text(now - phase.started)} ({_rate_text(_rate(phase, now))} {phase.unit}/s)"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import typer
 
 from mismatch_probe.cli import app
+from mismatch_probe.cli_help import EXAMPLES
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
@@ -61,3 +63,20 @@ def test_help_answers_without_heavy_imports() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+EXAMPLE_LINES = [(command, line) for command, lines in EXAMPLES.items() for line in lines]
+
+
+@pytest.mark.parametrize(("command", "line"), EXAMPLE_LINES, ids=[x for _, x in EXAMPLE_LINES])
+def test_every_help_example_parses_and_is_in_the_readme(command: str, line: str) -> None:
+    """The "Examples" of ``probe COMMAND --help`` are README command lines that click parses
+    (every option exists and takes its value)."""
+    assert f"\n{line}\n" in README, f"{line!r} is not a line of README.md"
+    argv = shlex.split(line)
+    path = tuple(command.split())
+    assert argv[0] == "probe" and tuple(argv[1 : 1 + len(path)]) == path
+    try:
+        dict(COMMANDS)[path].make_context(f"probe {command}", argv[1 + len(path) :])
+    except typer.TyperException as exc:  # typer's click: unknown option, bad value
+        pytest.fail(f"{line}: {exc.format_message()}")

@@ -17,6 +17,7 @@ PACKAGE = Path(mismatch_probe.__file__).parent
 # Rank of each top-level module or package of mismatch_probe, top of the pipeline first.
 RANKS = {
     "cli": 10, "options": 9,  # the thin layer: options declared once
+    "cli_help": 9.5,  # the help around the options: command order, --version, examples
     "ingest": 8,  # a framework's logs (reuses the pipeline's config, tables and run metadata)
     "pipeline": 7,  # the orchestration: scan stages, records, run.json, sharding, Ray, attribution
     "report": 5,  # the only stage that renders
@@ -24,6 +25,7 @@ RANKS = {
     "routing": 3,  # MoE routes: shapes, replay, their store and metrics
     "metrics": 2,
     "models": 1, "sampling": 1, "settings": 1, "prompts": 1, "progress": 1, "interrupt": 1,
+    "hardware": 1,
     "store": 0,  # the contract between stages
     "errors": -2,
 }  # fmt: skip

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mismatch_probe import store
+from mismatch_probe.hardware import hardware
 from tests.cli_runner import run_probe_err as run_main
 
 # What a default scan must not print (issue 11): vLLM's, Triton's and torch's import chatter.
@@ -298,6 +299,13 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     # quiet by default: no import chatter of vLLM, Triton or torch, only the progress bars
     assert not [line for line in proc.stderr.splitlines() if any(c in line for c in CHATTER)]
     assert "gen rollout=fp32" in proc.stderr
+    # stderr is no terminal: plain progress lines as each phase goes, no ANSI codes
+    assert "\x1b" not in proc.stderr
+    gen = [line for line in proc.stderr.splitlines() if line.startswith("gen rollout=fp32")]
+    assert gen[0].endswith(": started, 6 responses") and ": done, 6 responses in " in gen[-1]
+    score = [line for line in proc.stderr.splitlines() if line.startswith("score ")]
+    assert score[0].endswith(" tokens") and ": started, " in score[0]
+    assert ": done, " in score[-1] and "tokens/s)" in score[-1]
     assert "k3_kl" in proc.stdout and str(out / "tokens.parquet") in proc.stdout
 
     tokens = pq.read_table(out / store.TOKENS_FILE)
@@ -311,6 +319,8 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     assert sorted(set(tokens.column("prompt_id").to_pylist())) == [0, 1]
 
     run = json.loads((out / store.RUN_FILE).read_text())
+    assert run["hardware"]["compute"] == hardware()["compute"]  # what checks and compares read
+    assert run["hardware"]["cpu_model"] and "cpu_flags" in run["hardware"]
     assert run["sampling"]["vllm_logprobs_mode"] == "processed_logprobs"
     assert run["sampling"]["top_p"] == 0.95
     (engine,) = run["rollouts"]

