@@ -54,6 +54,7 @@ from mismatch_probe.options import (
     SamplesOpt,
     SeedOpt,
     SettingOpt,
+    SettingsOpt,
     ShardsOpt,
     SignificanceOpt,
     SourceArg,
@@ -256,23 +257,30 @@ def check(
     significance: SignificanceOpt = 0.95,
     allow_different: AllowDifferentOpt = False,
     step: StepOpt = None,
+    setting: SettingsOpt = None,
 ) -> None:
     """Check metric bounds, and growth over a baseline run (for CI): exit 0 when all hold,
-    1 when any fails, 2 on bad usage or runs that are not comparable."""
-    from mismatch_probe.report.baseline import render_gate, run_gate
+    1 when any fails, 2 on bad usage or runs that are not comparable.
 
-    gate = run_gate(
+    Every setting of a precision-matrix run is gated, each failing one named.
+    """
+    from mismatch_probe.report.baseline import gate, render_gate
+    from mismatch_probe.report.check_config import CheckConfig
+
+    cfg = CheckConfig.from_options(
         run_dir,
-        max_bound or [],
-        min_bound or [],
+        max_bound,
+        min_bound,
         baseline,
-        max_increase or [],
+        max_increase,
         significance,
         allow_different,
         step,
+        setting,
     )
-    render_gate(gate, _stdout_console())
-    if not gate.passed:
+    result = gate(cfg)
+    render_gate(result, _stdout_console())
+    if not result.passed:
         raise typer.Exit(1)
 
 

@@ -71,6 +71,15 @@ JsonOpt = Annotated[
 
 RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by probe scan.")]
 
+SettingsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--setting",
+        help="Only this setting of a precision-matrix run (default: every setting); "
+        "repeatable, e.g. --setting 'rollout=bf16 | train=fp32'.",
+    ),
+]
+
 CompareOutOpt = Annotated[
     Path | None,
     typer.Option(

@@ -34,6 +34,32 @@ def setting_names(run_dir: Path) -> list[str]:
     return [s for s in order if s in present] + [s for s in present if s not in order]
 
 
+def select_settings(run_dir: Path, wanted: tuple[str, ...] = ()) -> list[str | None]:
+    """The settings a report, a check or a comparison covers, in the scan's order: every
+    setting of a matrix store, or only ``wanted`` (``--setting``, repeatable); ``[None]`` for a
+    store of one setting (the whole store).
+
+    Raises:
+        ProbeError: a wanted setting the store does not hold (the settings it holds are named).
+    """
+    import difflib
+
+    from mismatch_probe.errors import ProbeError
+
+    names = setting_names(run_dir)
+    missing = [w for w in wanted if w not in names]
+    if missing:
+        close = difflib.get_close_matches(missing[0], names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        held = "; ".join(names) or "none recorded"
+        raise ProbeError(
+            f"--setting {missing[0]!r}: {run_dir.name} has no such setting{hint} (it holds: {held})"
+        )
+    if len(names) < 2:
+        return [None]
+    return [n for n in names if n in wanted] if wanted else list(names)
+
+
 def setting_entries(
     run_dir: Path, metrics_config: Any = None, computed: dict[str, dict[str, Any]] | None = None
 ) -> list[Entry]:
