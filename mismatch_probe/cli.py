@@ -197,19 +197,25 @@ def _print_paths(console: Console, paths: dict[str, Path]) -> None:
 
 @app.command()
 @metric_options
-def report(run_dir: RunDirArg, metrics_config: MetricsConfig, fmt: FormatOpt = "terminal") -> None:
+def report(
+    run_dir: RunDirArg,
+    metrics_config: MetricsConfig,
+    fmt: FormatOpt = "terminal",
+    setting: SettingsOpt = None,
+) -> None:
     """Re-render a run's terminal report, plots, report.md, report.html and metrics.json.
 
     No model is needed; metrics are recomputed when the options differ from metrics.json's.
+    Every setting of a precision-matrix run is judged at the top.
     """
     from mismatch_probe.report import load_report, render, write_outputs
     from mismatch_probe.report.comment import check_format, run_comment
 
     check_format(fmt)
-    ctx, entries = load_report(run_dir, metrics_config)
+    ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
     paths = write_outputs(ctx, entries)
     if fmt == "pr-comment":
-        print(run_comment(ctx), end="")
+        print(run_comment(ctx, entries), end="")
         return
     console = _stdout_console()
     render(ctx, entries, console)

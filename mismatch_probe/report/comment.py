@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mismatch_probe.report.compare import Comparison
+from mismatch_probe.report.compare import Comparison, Entry
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
@@ -174,14 +174,23 @@ def _tail(ctx: RunContext) -> list[tuple[str, list[str]]]:
     return parts
 
 
-def run_comment(ctx: RunContext) -> str:
-    """The comment of one run (``probe report RUN --format pr-comment``)."""
+def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
+    """The comment of one run (``probe report RUN --format pr-comment``); a matrix run's
+    (``entries``: its settings) starts with every setting judged."""
     model = escape(ctx.run.get("model", {}).get("name", ctx.label))
     verdicts = evaluate(ctx.metrics)
-    head = _header(ctx, f"Mismatch report: {model}")
-    head += [verdict_counts([v.status for v in verdicts]), ""]
+    counts = verdict_counts([v.status for v in verdicts])
+    top: list[tuple[str, list[str]]] = []
+    if entries and len(entries) > 1:
+        from mismatch_probe.report.grid import every_setting_markdown, judge
+
+        judged = judge([(e.label, e.metrics) for e in entries])
+        top = [("Every setting", every_setting_markdown(judged, ctx.label, "####"))]
+        counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
+    head = [*_header(ctx, f"Mismatch report: {model}"), counts, ""]
     parts = [
         ("Header", head),
+        *top,
         ("Verdicts", titled("Verdicts", verdict_section(verdicts))),
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
         *_tail(ctx),
