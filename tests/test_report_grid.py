@@ -70,8 +70,8 @@ def test_matrix_table_one_row_per_setting_no_ratios() -> None:
         " f_tau_2 ┃ max |dp| ┃"
     )
     assert lines[4:7] == [
-        f"│ {FP32}        │ ✔ PASS     │    100 │     0 │     0 │          0 │       0 │        0 │",
-        f"│ {BF16}        │ ✔ PASS     │    100 │ 5e-05 │ -0.01 │       0.02 │   0.005 │      0.2 │",
+        f"│ {FP32:<32} │ ✔ PASS     │    100 │     0 │     0 │          0 │       0 │        0 │",
+        f"│ {BF16:<32} │ ✔ PASS     │    100 │ 5e-05 │ -0.01 │       0.02 │   0.005 │      0.2 │",
         f"│ {FP8} │ ✘ FAIL 3/4 │    100 │ 0.004 │  -0.2 │        0.5 │   0.027 │    0.566 │",
     ]
     assert not any("×" in line for line in lines)  # no ratio to a near-zero identity
