@@ -229,10 +229,12 @@ def compare(
     ],
     out: CompareOutOpt = None,
     fmt: FormatOpt = "terminal",
+    setting: SettingsOpt = None,
 ) -> None:
     """Compare runs: key metrics with ratios to the first run, overlaid plots, compare.md/.html.
 
-    Warns when the runs differ in model, prompts or sampling.
+    Warns when the runs differ in model, prompts or sampling. Precision-matrix runs are
+    compared setting by setting, paired by name.
     """
     from mismatch_probe.report.comment import check_format, comparison_comment
     from mismatch_probe.report.compare import (
@@ -243,7 +245,7 @@ def compare(
     )
 
     check_format(fmt)
-    comparison = load_comparison(run_dirs)
+    comparison = load_comparison(run_dirs, tuple(setting or ()))
     paths = write_comparison(comparison, out or default_out_dir())
     if fmt == "pr-comment":
         print(comparison_comment(comparison), end="")

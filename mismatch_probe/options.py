@@ -134,8 +134,8 @@ SignificanceOpt = Annotated[
     float,
     typer.Option(
         "--significance",
-        help="Confidence level of the bootstrap intervals (k3_kl, chi2_token): an increase "
-        "fails only when its whole interval is past the limit.",
+        help="Confidence level of the bootstrap intervals (k3_kl, kl, chi2_token, f_tau_2, "
+        "...): an increase fails only when its whole interval is past the limit.",
     ),
 ]
 

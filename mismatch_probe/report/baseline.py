@@ -9,10 +9,11 @@ The runs must measure the same thing (``COMPARABLE``: model config hash, prompts
 otherwise the gate refuses (``ProbeError``, exit 2) and says what differs, unless
 ``allow_different``.
 
-Noise: for the metrics of ``bootstrap.TERMS`` (``k3_kl``, ``chi2_token``), when both runs have at
-least ``bootstrap.MIN_SEQUENCES`` sequences, the gate bootstraps the excess ``head - F * base``
-(or ``head - base - A``) over sequences and fails only when its whole interval at the chosen
-confidence (``--significance``, 0.95 by default) lies above 0, i.e. when the growth past the
+Noise: for the metrics of ``bootstrap.TERMS`` (``k3_kl``, ``chi2_token``, ``kl``, ``f_tau_2``,
+...), when both runs have at least ``bootstrap.MIN_SEQUENCES`` sequences, the gate bootstraps
+the excess ``head - F * base`` (or ``head - base - A``) over sequences and fails only when its
+whole interval at the chosen confidence (``--significance``, 0.95 by default) lies above 0,
+i.e. when the growth past the
 limit is larger than the sampling noise of the two runs. Other metrics, and small runs, are
 compared point to point.
 """
