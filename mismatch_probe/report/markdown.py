@@ -13,6 +13,7 @@ import math
 import re
 from pathlib import Path
 
+from mismatch_probe.report.causes import LEGEND
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.sections import (
     KEY_METRICS,
@@ -121,7 +122,8 @@ def worst_section(worst: tuple[WorstToken, ...]) -> list[str]:
     ]
     header = ["#", "seq:pos", "token in context", "log ρ", "p rollout", "p train", "cause"]
     intro = "The tokens of largest |log ρ| (ρ = p_train / p_rollout), the token in bold."
-    return ["## Worst tokens", "", intro, "", *table(header, rows, "rllrrrl"), ""]
+    legend = escape(LEGEND)
+    return ["## Worst tokens", "", intro, "", *table(header, rows, "rllrrrl"), "", legend, ""]
 
 
 def all_metrics_section(metrics: dict[str, float]) -> list[str]:
