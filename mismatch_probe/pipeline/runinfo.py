@@ -38,6 +38,7 @@ def run_metadata(
         "model": {
             "path": str(prep.model_dir.resolve()),
             "name": prep.model_dir.name,
+            "source": models.model_source(prep.model_dir),
             "config_sha256": models.config_hash(prep.model_dir),
         },
         "prompts": {

@@ -199,7 +199,9 @@ def fit(parts: list[tuple[str, list[str]]], limit: int = COMMENT_LIMIT) -> str:
 
 def _header(ctx: RunContext, title: str) -> list[str]:
     m = ctx.metrics
-    facts = f"{escape(ctx.label)} · {m.get('num_tokens', 0):,.0f} response tokens"
+    source = ctx.run.get("model", {}).get("source")
+    weights = f" · weights: {escape(str(source))}" if source else ""
+    facts = f"{escape(ctx.label)}{weights} · {m.get('num_tokens', 0):,.0f} response tokens"
     return [f"### {title}", "", facts + f" · {m.get('num_sequences', 0):,.0f} responses", ""]
 
 
