@@ -62,6 +62,7 @@ from mismatch_probe.options import (
     SamplesOpt,
     SeedOpt,
     SettingOpt,
+    SettingsOpt,
     ShardsOpt,
     SignificanceOpt,
     SourceArg,
@@ -233,19 +234,25 @@ def _print_paths(console: Console, paths: dict[str, Path]) -> None:
 
 @app.command(cls=ProbeCommand, epilog=epilog("report"))
 @metric_options
-def report(run_dir: RunDirArg, metrics_config: MetricsConfig, fmt: FormatOpt = "terminal") -> None:
+def report(
+    run_dir: RunDirArg,
+    metrics_config: MetricsConfig,
+    fmt: FormatOpt = "terminal",
+    setting: SettingsOpt = None,
+) -> None:
     """Re-render a run's terminal report, plots, report.md, report.html and metrics.json.
 
     No model is needed; metrics are recomputed when the options differ from metrics.json's.
+    Every setting of a precision-matrix run is judged at the top.
     """
     from mismatch_probe.report import load_report, render, write_outputs
     from mismatch_probe.report.comment import check_format, run_comment
 
     check_format(fmt)
-    ctx, entries = load_report(run_dir, metrics_config)
+    ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
     paths = write_outputs(ctx, entries)
     if fmt == "pr-comment":
-        print(run_comment(ctx), end="")
+        print(run_comment(ctx, entries), end="")
         return
     console = _stdout_console()
     render(ctx, entries, console)
@@ -260,10 +267,12 @@ def compare(
     ],
     out: CompareOutOpt = None,
     fmt: FormatOpt = "terminal",
+    setting: SettingsOpt = None,
 ) -> None:
     """Compare runs: key metrics with ratios to the first run, overlaid plots, compare.md/.html.
 
-    Warns when the runs differ in model, prompts, sampling or hardware.
+    Warns when the runs differ in model, prompts, sampling or hardware. Precision-matrix runs
+    are compared setting by setting, paired by name.
     """
     from mismatch_probe.report.comment import check_format, comparison_comment
     from mismatch_probe.report.compare import (
@@ -274,7 +283,7 @@ def compare(
     )
 
     check_format(fmt)
-    comparison = load_comparison(run_dirs)
+    comparison = load_comparison(run_dirs, tuple(setting or ()))
     paths = write_comparison(comparison, out or default_out_dir())
     if fmt == "pr-comment":
         print(comparison_comment(comparison), end="")
@@ -294,26 +303,32 @@ def check(
     significance: SignificanceOpt = 0.95,
     allow_different: AllowDifferentOpt = False,
     step: StepOpt = None,
+    setting: SettingsOpt = None,
 ) -> None:
     """Check metric bounds, and growth over a baseline run (for CI).
 
     Exit 0 when all hold, 1 when any fails, 2 on bad usage or runs that are not comparable
     (model, prompts, sampling or hardware differ).
-    """
-    from mismatch_probe.report.baseline import render_gate, run_gate
 
-    gate = run_gate(
+    Every setting of a precision-matrix run is gated, each failing one named.
+    """
+    from mismatch_probe.report.baseline import gate, render_gate
+    from mismatch_probe.report.check_config import CheckConfig
+
+    cfg = CheckConfig.from_options(
         run_dir,
-        max_bound or [],
-        min_bound or [],
+        max_bound,
+        min_bound,
         baseline,
-        max_increase or [],
+        max_increase,
         significance,
         allow_different,
         step,
+        setting,
     )
-    render_gate(gate, _stdout_console())
-    if not gate.passed:
+    result = gate(cfg)
+    render_gate(result, _stdout_console())
+    if not result.passed:
         raise typer.Exit(1)
 
 

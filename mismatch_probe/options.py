@@ -119,6 +119,15 @@ RunDirArg = Annotated[
     Path, typer.Argument(metavar="RUN_DIR", help="Run directory written by probe scan.")
 ]
 
+SettingsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--setting",
+        help="Only this setting of a precision-matrix run (default: every setting); "
+        "repeatable, e.g. --setting 'rollout=bf16 | train=fp32'.",
+    ),
+]
+
 CompareOutOpt = Annotated[
     Path | None,
     typer.Option(
@@ -188,8 +197,8 @@ SignificanceOpt = Annotated[
         "--significance",
         metavar="LEVEL",
         rich_help_panel=BASELINE,
-        help="Confidence level of the bootstrap intervals (k3_kl, chi2_token): an increase "
-        "fails only when its whole interval is past the limit.",
+        help="Confidence level of the bootstrap intervals (k3_kl, kl, chi2_token, f_tau_2, "
+        "...): an increase fails only when its whole interval is past the limit.",
     ),
 ]
 

@@ -125,8 +125,9 @@ def test_cli_reads_a_sharded_store_like_a_file(
     )
 
     bound = f"k3_kl={report[0]['k3_kl'] * (1 + 1e-6)}"
-    code, stdout, err = cli_run(["check", str(sharded), "--max", bound], monkeypatch, capsys)
-    assert code == 0 and "all bounds hold" in stdout, err
+    args = ["check", str(sharded), "--max", bound, "--setting", SETTINGS[0]]
+    code, stdout, err = cli_run(args, monkeypatch, capsys)
+    assert code == 0 and "all bounds hold in 1 setting" in stdout, err
 
     code, stdout, err = cli_run(
         ["compare", str(single), str(sharded), "--out", str(tmp_path / "cmp")], monkeypatch, capsys

@@ -130,11 +130,12 @@ def test_strict_turns_a_skip_into_an_error(tiny_model: Path, prompts: Path, tmp_
 
 def test_matrix_report_shows_settings_side_by_side(matrix: Any) -> None:
     report = (matrix.out_dir / "report.md").read_text()
-    section = report.split("## Precision settings side by side")[1]
+    top = report.split("## Every setting judged")[1].split("## Settings")[0]
+    for setting in matrix.settings:  # every setting judged, near the top
+        assert f"| {setting.replace('|', chr(92) + '|')} |" in top
+    section = report.split("## Precision settings overlaid")[1]
     best = min(matrix.settings, key=lambda n: matrix.settings[n]["k3_kl"])
     assert f"Lowest mismatch: {best}".replace("|", "\\|") in section
-    for setting in matrix.settings:
-        assert setting.replace("|", "\\|") in section
     for kind in ("ratio_hist", "position", "f_tau"):
         assert (matrix.out_dir / "plots" / "settings" / f"compare_{kind}.png").is_file()
         assert f"plots/settings/compare_{kind}.png" in section

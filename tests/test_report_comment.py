@@ -114,7 +114,7 @@ def test_run_comment_parses_and_model_text_stays_in_its_cell(hostile_run: Path) 
     ]
     worst = next(t for t in tables(tokens) if t[0][:3] == ["#", "seq:pos", "token in context"])
     assert worst[1][:3] == ["1", "3:1", visible("".join(HOSTILE[:6]))]  # the text, as text
-    assert worst[1][-1] == "numeric drift"
+    assert worst[1][-1] == "—"  # no flip, p = 0.3: no cause is claimed
     verdicts = next(t for t in tables(tokens) if t[0][0] == "verdict")
     assert len(verdicts) == 1 + len(HEALTH_CHECKS) and all(len(r) == 6 for r in verdicts)
     assert text.endswith(FOOTER + "\n")
@@ -136,24 +136,31 @@ def test_a_part_that_does_not_fit_is_left_out_with_a_note() -> None:
     assert len(text) <= 200
 
 
+CI = "95% CI of the change"
+
+
 @pytest.mark.parametrize(
-    ("key", "base", "value", "cell"),
+    ("key", "base", "value", "ci", "cell"),
     [
-        ("k3_kl", 0.01, 0.015, "↑ +50% 🔴 worse"),
-        ("k3_kl", 0.02, 0.015, "↓ -25% 🟢 better"),
-        ("prob_pearson", 0.9, 0.99, "↑ +10% 🟢 better"),
-        ("kl", -0.01, -0.03, "↓ -200% 🔴 worse"),  # further from 0
-        ("kl", -0.03, 0.01, "↑ +133% 🟢 better"),  # closer to 0
-        ("num_tokens", 10.0, 20.0, "↑ +100%"),  # a count: no better or worse
-        ("f_tau_2", 0.0, 0.002, "↑ +0.002 🔴 worse"),  # from 0: the absolute change
-        ("k3_kl", 0.01, 0.01, "= no change"),
-        ("rollout_is_eff_sample_size", 1.0, 1.0 - 1e-9, "= no change"),  # equal as shown
-        ("k3_kl", 0.01, 0.0100001, "↑ +0.001% 🔴 worse"),
-        ("k3_kl", None, 0.01, "—"),
+        ("k3_kl", 0.01, 0.015, (0.002, 0.008), f"↑ +50% 🔴 worse, {CI} [+0.002, +0.008]"),
+        ("k3_kl", 0.02, 0.015, (-0.009, -0.001), f"↓ -25% 🟢 better, {CI} [-0.009, -0.001]"),
+        ("k3_kl", 0.01, 0.015, (-0.001, 0.011), f"↑ +50% within noise, {CI} [-0.001, +0.011]"),
+        ("k3_kl", 0.01, 0.015, None, "↑ +50% (no noise estimate)"),  # small runs: not judged
+        ("rollout_is_eff_sample_size", 0.99, 0.98947, None, "↓ -0.0535% (no noise estimate)"),
+        ("prob_pearson", 0.9, 0.99, None, "↑ +10% (no noise estimate)"),
+        # signed metrics near 0: a difference, not a percentage (the "-534% worse")
+        ("kl", -0.01, -0.03, (-0.025, -0.015), f"↓ -0.02 🔴 worse, {CI} [-0.025, -0.015]"),
+        ("kl", 0.0006, -0.0026, (-0.004, 0.001), f"↓ -0.0032 within noise, {CI} [-0.004, +0.001]"),
+        ("log_ppl_diff", 1e-4, -2e-4, None, "↓ -0.0003"),  # no better direction
+        ("num_tokens", 10.0, 20.0, None, "↑ +100%"),  # a count: no better or worse
+        ("f_tau_2", 0.0, 0.002, (0.001, 0.003), f"↑ +0.002 🔴 worse, {CI} [+0.001, +0.003]"),
+        ("k3_kl", 0.01, 0.01, None, "= no change"),
+        ("rollout_is_eff_sample_size", 1.0, 1.0 - 1e-9, None, "= no change"),  # equal as shown
+        ("k3_kl", None, 0.01, None, "—"),
     ],
 )
-def test_change_cell(key: str, base: float | None, value: float | None, cell: str) -> None:
-    assert change_cell(key, base, value) == cell
+def test_change_cell(key: str, base: float | None, value: float | None, ci: Any, cell: str) -> None:
+    assert change_cell(key, base, value, ci) == cell
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +182,9 @@ def test_comparison_comment_shows_the_change_with_arrows(pair: list[Path]) -> No
     rows = {r[0]: r[1:] for r in key[1:]}
     assert rows["num_tokens"] == ["10", "20", "↑ +100%"]
     growth = k3(0.03) / k3(0.01) - 1.0  # hand-computed: every token has r = 0.01 vs 0.03
-    assert rows["k3_kl"][2] == f"↑ {100 * growth:+.3g}% 🔴 worse"
-    assert rows["kl"][2] == "↓ -200% 🔴 worse"  # kl = -r: -0.01 -> -0.03
+    # 2 and 4 responses: too few for a noise estimate, so no colour
+    assert rows["k3_kl"][2] == f"↑ {100 * growth:+.3g}% (no noise estimate)"
+    assert rows["kl"][2] == "↓ -0.02 (no noise estimate)"  # kl = -r: -0.01 -> -0.03
     verdicts = next(t for t in tables(tokens) if t[0][0] == "check")
     assert verdicts[0][-2:] == ["main (baseline)", "pr"]
     assert all(re.fullmatch(r"(✅|❌|➖) \S+( computed)?", c) for r in verdicts[1:] for c in r[-2:])

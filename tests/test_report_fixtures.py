@@ -96,3 +96,25 @@ def mixed_seqs() -> list[Seq]:
         Seq(EVIL, [lp] * 7, [lp + x for x in evil], flips),
         Seq(plain[:5], [lp] * 5, [lp, lp, lp + 0.9, lp, lp], [False, False, True, False, False]),
     ]
+
+
+def matrix_run(path: Path, settings: dict[str, list[Seq]], **meta: Any) -> Path:
+    """A precision-matrix run directory: every setting's sequences in one store, each setting
+    with its own seq_id range, ``run.json`` listing the settings in the given order (the first
+    is the reference); ``metrics.json`` holds the first setting's metrics, as a scan writes."""
+    import pyarrow.compute as pc
+
+    path.mkdir(parents=True, exist_ok=True)
+    names = list(settings)
+    run = {**run_metadata(**{"setting": names[0], **meta}), "settings": names}
+    tables, offset = [], 0
+    for name, seqs in settings.items():
+        table = token_table(seqs, name)
+        tables.append(table.set_column(1, "seq_id", pc.add(table.column("seq_id"), offset)))
+        offset += len(seqs)
+    tokens = pa.concat_tables(tables)
+    store.write_table(path / store.TOKENS_FILE, tokens, store.TOKEN_SCHEMA, run)
+    store.write_json(path / store.RUN_FILE, run)
+    first = compute_metrics(path, setting=names[0]).to_json_dict()
+    store.write_json(path / store.METRICS_FILE, first)
+    return path

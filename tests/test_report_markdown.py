@@ -83,7 +83,7 @@ def test_worst_token_text_is_inert(rendered) -> None:
     assert worst[0][2] == (
         "&lt;script&gt;alert(1)&lt;/script&gt; \\[x<b>\\](javascript:</b>alert(2)) ok"
     )
-    assert worst[0][3] == "-1.5" and worst[0][-1] == "numeric drift"
+    assert worst[0][3] == "-1.5" and worst[0][-1] == "low-probability tail"  # p_train 0.089
     assert worst[1][:2] == ["2", "2:2"] and worst[1][-1] == "support flip"
     assert "<script>" not in text
     assert not re.search(r"(?<!\\)\]\(javascript:", text)  # every ] before it is escaped

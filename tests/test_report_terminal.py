@@ -142,4 +142,4 @@ def test_no_color_keeps_the_words(run: Path, monkeypatch: pytest.MonkeyPatch) ->
     render_terminal(run, c)
     text = output(c)
     assert "\x1b[31m" not in text and "\x1b[32m" not in text and "\x1b[1;31m" not in text
-    assert "✔ PASS" in text and "numeric drift" in text
+    assert "✔ PASS" in text and "low-probability tail" in text

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,44 @@ def prepare_default_model(force: bool = False) -> Path:
     return convert_gguf(default_gguf_path(), out, replace=force)
 
 
+SOURCE_FILE = "mismatch_probe_source.json"  # what a converted checkpoint was made from
+# A GGUF file type in its name, e.g. ``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``Q4_1``.
+_GGUF_TYPE = re.compile(r"(?:^|[.\-_])((?:I?Q\d(?:_[A-Z0-9]+)*)|BF16|F16|F32)(?:$|[.\-])", re.I)
+
+
+def gguf_type(name: str) -> str | None:
+    """The quantization type a GGUF file's name states (``Q4_1``, ``F16``), None if none."""
+    found = _GGUF_TYPE.search(Path(name).name.removesuffix(".gguf"))
+    return found.group(1).upper() if found else None
+
+
+def gguf_source(name: str) -> str:
+    """``GGUF Q4_1 dequantized to float32``: what a converted checkpoint's weights are."""
+    kind = gguf_type(name)
+    return f"GGUF {kind + ' ' if kind else ''}dequantized to float32"
+
+
+def model_source(model_dir: Path) -> str:
+    """What the weights of a checkpoint directory are, in words (``run.json`` model.source):
+    the GGUF it was converted from (``SOURCE_FILE``, or the cache's naming for a conversion
+    made before that file existed), else the checkpoint's own dtype."""
+    try:
+        recorded = json.loads((model_dir / SOURCE_FILE).read_text())
+        return str(recorded["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    models = cache_dir() / "models"
+    if model_dir == default_model_dir():
+        return gguf_source(_GGUF_FILE)
+    if model_dir.parent == models:  # resolve_model's "<gguf stem>-<digest>"
+        return gguf_source(model_dir.name.rsplit("-", 1)[0])
+    try:
+        dtype = json.loads((model_dir / "config.json").read_text()).get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        dtype = None
+    return f"checkpoint ({dtype})" if dtype else "checkpoint"
+
+
 def is_converted(out: Path) -> bool:
     """A conversion was published at ``out`` (``store.atomic_dir`` publishes only whole ones)."""
     return (out / "config.json").is_file()
@@ -94,6 +133,8 @@ def convert_gguf(gguf: Path, out: Path, replace: bool = False) -> Path:
     with store.atomic_dir(out, is_converted, replace=replace) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        source = {"source": gguf_source(gguf.name), "gguf_file": gguf.name}
+        (tmp / SOURCE_FILE).write_text(json.dumps(source) + "\n")
     return out
 
 

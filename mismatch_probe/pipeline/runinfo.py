@@ -37,6 +37,7 @@ def run_metadata(
         "model": {
             "path": str(prep.model_dir.resolve()),
             "name": models.model_name(prep.model_dir),
+            "source": models.model_source(prep.model_dir),
             "config_sha256": models.config_hash(prep.model_dir),
             **_hub_record(prep),
         },

@@ -50,6 +50,7 @@ def load_report(
     computed: Mapping[str, dict[str, Any]] | None = None,
     run: dict[str, Any] | None = None,
     order: list[str] | None = None,
+    settings: tuple[str, ...] = (),
 ) -> tuple[RunContext, list[Entry]]:
     """Load what a report shows: the run (its reference setting when the store holds several)
     and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
@@ -61,8 +62,10 @@ def load_report(
             before it writes ``run.json``): nothing is read from a ``run.json`` on disk, which
             may be an earlier run's.
         order: the settings in the scan's order (first = the reference), with ``run``.
+        settings: only these settings of a matrix run (``--setting``); the first of them in
+            the scan's order is the reference. () means every setting.
     """
-    from mismatch_probe.report.settings import setting_entries, setting_names
+    from mismatch_probe.report.settings import select_settings, setting_entries, setting_names
 
     run_dir = Path(run_dir)
     if run_dir.is_file():
@@ -70,12 +73,18 @@ def load_report(
             f"{run_dir} is a file; probe report takes a run directory "
             "(probe metrics reads a Parquet file)"
         )
+    if not run_dir.is_dir():
+        raise ProbeError(f"{run_dir} is not a run directory")
     names = setting_names(run_dir, order)
-    reference = names[0] if len(names) > 1 else None
+    chosen = select_settings(run_dir, settings, order)
+    reference = chosen[0]
     given = dict(computed or {})
-    first = given.get(names[0]) if names else None
+    first = given.get(reference or names[0]) if names else None
     ctx = load_run(run_dir, metrics_config, reference, data=first, run=run)
-    return ctx, setting_entries(run_dir, metrics_config, given, names)
+    entries = setting_entries(run_dir, metrics_config, given, names)
+    if settings and len(names) > 1:
+        entries = [e for e in entries if e.label in chosen]
+    return ctx, entries
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
@@ -91,12 +100,20 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
-    from mismatch_probe.report.settings import settings_markdown
+    from mismatch_probe.report.settings import (
+        setting_names,
+        settings_markdown,
+        settings_top_markdown,
+    )
     from mismatch_probe.report.trend_plot import write_trend
 
     run_dir = store.writable_dir(ctx.run_dir, "run directory")
     paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
-    store.write_json(paths["metrics"], ctx.json_dict())
+    names = setting_names(run_dir, ctx.run.get("settings")) if ctx.setting is not None else []
+    if not names or ctx.setting == names[0]:  # metrics.json holds the scan's first setting
+        store.write_json(paths["metrics"], ctx.json_dict())
+    else:
+        del paths["metrics"]
     plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
     extra_plots = write_routing_plots(run_dir)
     attribution_plots, attribution_md = attribution.outputs(run_dir)
@@ -104,9 +121,11 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     trend, trend_plot = write_trend(ctx)
     if trend_plot:
         extra_plots["plot_trend"] = trend_plot
+    matrix = entries if entries and len(entries) > 1 else None
+    top = settings_top_markdown(matrix, ctx.label) if matrix else None
     sections = [
-        render_markdown(ctx, plots),
-        settings_markdown(entries, run_dir) if entries else "",
+        render_markdown(ctx, plots, top),
+        settings_markdown(matrix, run_dir) if matrix else "",
         routing_markdown(run_dir),
         attribution_md,
         trend,
@@ -120,25 +139,28 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
-    """The terminal report, then the settings side by side for a matrix run."""
+    """For a matrix run every setting judged first, then the terminal report (of the reference
+    setting, which its header names)."""
     from mismatch_probe.report import attribution
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.report.trend import load_trend, render_table
 
-    render_run(ctx, console)
-    if entries:
+    if entries and len(entries) > 1:
         render_settings(entries, console)
+    render_run(ctx, console)
     trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
     if trend is not None:
         console.print(render_table(trend))
     attribution.render(ctx.run_dir, console)
 
 
-def write_report(run_dir: Path, metrics_config: MetricsConfig | None = None) -> dict[str, Path]:
+def write_report(
+    run_dir: Path, metrics_config: MetricsConfig | None = None, settings: tuple[str, ...] = ()
+) -> dict[str, Path]:
     """Load ``run_dir`` (recomputing the metrics if ``metrics_config`` differs from the stored
     one) and write its reports; see ``write_outputs``."""
-    return write_outputs(*load_report(run_dir, metrics_config))
+    return write_outputs(*load_report(run_dir, metrics_config, settings=settings))
 
 
 def render_terminal(

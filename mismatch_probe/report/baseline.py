@@ -9,10 +9,11 @@ The runs must measure the same thing (``COMPARABLE``: model config hash, prompts
 otherwise the gate refuses (``ProbeError``, exit 2) and says what differs, unless
 ``allow_different``.
 
-Noise: for the metrics of ``bootstrap.TERMS`` (``k3_kl``, ``chi2_token``), when both runs have at
-least ``bootstrap.MIN_SEQUENCES`` sequences, the gate bootstraps the excess ``head - F * base``
-(or ``head - base - A``) over sequences and fails only when its whole interval at the chosen
-confidence (``--significance``, 0.95 by default) lies above 0, i.e. when the growth past the
+Noise: for the metrics of ``bootstrap.TERMS`` (``k3_kl``, ``chi2_token``, ``kl``, ``f_tau_2``,
+...), when both runs have at least ``bootstrap.MIN_SEQUENCES`` sequences, the gate bootstraps
+the excess ``head - F * base`` (or ``head - base - A``) over sequences and fails only when its
+whole interval at the chosen confidence (``--significance``, 0.95 by default) lies above 0,
+i.e. when the growth past the
 limit is larger than the sampling noise of the two runs. Other metrics, and small runs, are
 compared point to point.
 """
@@ -30,15 +31,16 @@ from rich.text import Text
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.report import bootstrap
 from mismatch_probe.report.check import (
-    Bound,
     BoundResult,
     did_you_mean,
     evaluate_bounds,
-    parse_bounds,
     result_line,
 )
+from mismatch_probe.report.check_config import CheckConfig
 from mismatch_probe.report.compare import IDENTITY, _lookup, _short
 from mismatch_probe.report.context import RunContext, load_run
+from mismatch_probe.report.context import _run_metadata as run_metadata
+from mismatch_probe.report.sections import visible
 
 # What two runs must share to be gated against each other: what ``probe compare`` checks, but
 # the model's directory name (two checkouts may name it differently: its config hash decides).
@@ -113,10 +115,13 @@ def differences(head: dict[str, Any], base: dict[str, Any]) -> list[str]:
     return lines
 
 
-def check_comparable(head: RunContext, base: RunContext, allow_different: bool) -> tuple[str, ...]:
-    """What differs between the runs (``differences``); a ``ProbeError`` when something does
-    and ``allow_different`` is off."""
-    found = tuple(differences(head.run, base.run))
+def check_comparable(
+    head: RunContext | dict[str, Any], base: RunContext | dict[str, Any], allow_different: bool
+) -> tuple[str, ...]:
+    """What differs between the runs (contexts or their ``run.json``, ``differences``); a
+    ``ProbeError`` when something does and ``allow_different`` is off."""
+    runs = [r.run if isinstance(r, RunContext) else r for r in (head, base)]
+    found = tuple(differences(*runs))
     if found and not allow_different:
         raise ProbeError(
             "the runs are not comparable: "
@@ -163,11 +168,14 @@ class IncreaseResult:
         return f"×{self.value / self.base:.3g}" if self.base else "from 0"
 
 
-def _intervals(head_dir: Path, base_dir: Path, bound: Increase, level: float) -> dict[str, Any]:
-    """The bootstrap intervals of one bound ({} when the metric or the runs do not allow)."""
+def _intervals(
+    head_dir: Path, base_dir: Path, bound: Increase, level: float, pair: tuple[Any, Any]
+) -> dict[str, Any]:
+    """The bootstrap intervals of one bound ({} when the metric or the runs do not allow);
+    ``pair`` is the (head, baseline) setting compared (None: the whole store)."""
     if bound.metric not in bootstrap.TERMS:
         return {}
-    runs = [bootstrap.sequence_stats(d, _reference_setting(d)) for d in (head_dir, base_dir)]
+    runs = [bootstrap.sequence_stats(d, s) for d, s in zip((head_dir, base_dir), pair, strict=True)]
     if not all(r.usable(bound.metric) for r in runs):
         return {}
     head_reps, base_reps = bootstrap.replicates(runs, bound.metric)
@@ -178,14 +186,6 @@ def _intervals(head_dir: Path, base_dir: Path, bound: Increase, level: float) ->
     }
 
 
-def _reference_setting(run_dir: Path) -> str | None:
-    """The setting ``metrics.json`` describes when the store holds several."""
-    from mismatch_probe.report.settings import setting_names
-
-    names = setting_names(run_dir)
-    return names[0] if len(names) > 1 else None
-
-
 def _check_metric(bound: Increase, head: dict[str, float], base: dict[str, float]) -> None:
     for metrics, which in ((head, "the run"), (base, "the baseline")):
         if bound.metric not in metrics:
@@ -194,18 +194,46 @@ def _check_metric(bound: Increase, head: dict[str, float], base: dict[str, float
 
 
 @dataclass(frozen=True)
-class Gate:
-    """Everything ``probe check`` evaluated."""
+class SettingGate:
+    """The bounds of one setting of the run (``setting`` None: a run of one setting).
 
+    ``note`` says why the growth bounds were not evaluated (a setting the baseline lacks)."""
+
+    setting: str | None
     bounds: tuple[BoundResult, ...]
-    increases: tuple[IncreaseResult, ...]
+    increases: tuple[IncreaseResult, ...] = ()
+    note: str = ""
+
+    @property
+    def failing(self) -> list[str]:
+        """The metrics of the bounds that fail, in bound order, each once."""
+        results: list[BoundResult | IncreaseResult] = [*self.bounds, *self.increases]
+        return list(dict.fromkeys(r.bound.metric for r in results if not r.passed))
+
+    @property
+    def passed(self) -> bool:
+        return not self.failing
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Everything ``probe check`` evaluated: one ``SettingGate`` per setting gated."""
+
+    settings: tuple[SettingGate, ...]
     differences: tuple[str, ...] = ()
     baseline: Path | None = None
 
     @property
+    def bounds(self) -> tuple[BoundResult, ...]:
+        return tuple(r for s in self.settings for r in s.bounds)
+
+    @property
+    def increases(self) -> tuple[IncreaseResult, ...]:
+        return tuple(r for s in self.settings for r in s.increases)
+
+    @property
     def passed(self) -> bool:
-        results: list[BoundResult | IncreaseResult] = [*self.bounds, *self.increases]
-        return all(r.passed for r in results)
+        return all(s.passed for s in self.settings)
 
 
 def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
@@ -213,6 +241,94 @@ def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
     from mismatch_probe.report.trend import step_metrics
 
     return step_metrics(Path(run_dir), step)
+
+
+def _metrics(run_dir: Path, setting: str | None) -> dict[str, float]:
+    """The flat metrics of one setting (None: the run's stored metrics, whole store)."""
+    if setting is None:
+        return load_run(run_dir).metrics
+    from mismatch_probe.metrics import compute_metrics
+
+    return compute_metrics(run_dir, setting=setting).flat()
+
+
+def _baseline_pairs(
+    head: list[str | None], head_dir: Path, base_dir: Path
+) -> tuple[dict[str | None, str | None], dict[str | None, str]]:
+    """Which baseline setting each head setting is gated against, by name (two runs of one
+    setting each are paired whatever their names), and a note for each head setting the
+    baseline lacks.
+
+    Raises:
+        ProbeError: no head setting has a counterpart in the baseline.
+    """
+    from mismatch_probe.report.settings import select_settings, setting_names
+
+    base = select_settings(base_dir)
+    if base == [None] and head == [None]:
+        return {None: None}, {}
+    names = setting_names(base_dir)
+    own: dict[str | None, str | None] = {h: h for h in head}
+    if head == [None]:  # a run of one setting against a matrix: its setting by name
+        own = {None: next(iter(setting_names(head_dir)), None)}
+    pairs: dict[str | None, str | None] = {
+        h: (None if base == [None] else name) for h, name in own.items() if name in names
+    }
+    notes = {h: "not in the baseline: its growth is not gated" for h in head if h not in pairs}
+    if not pairs:
+        raise ProbeError(
+            f"the baseline {base_dir.name} has none of the run's settings "
+            f"(run: {'; '.join(str(h) for h in head)}; baseline: {'; '.join(names) or 'none'})"
+        )
+    return pairs, notes
+
+
+def gate(cfg: CheckConfig) -> Gate:
+    """Evaluate every bound of ``cfg`` on every setting it covers (see the module docstring).
+
+    Raises:
+        ProbeError: a bound naming an unknown metric, an unknown ``--setting``, runs that are
+            not comparable or share no setting, an unreadable run.
+    """
+    from mismatch_probe.report.settings import select_settings
+
+    run_dir = cfg.run_dir
+    if not run_dir.is_dir():
+        raise ProbeError(f"{run_dir} is not a run directory")
+    head_settings = select_settings(run_dir, cfg.settings)
+    if cfg.baseline is None:
+        checked = []
+        for setting in head_settings:
+            metrics = _step_metrics(run_dir, cfg.step) if cfg.step else _metrics(run_dir, setting)
+            checked.append(SettingGate(setting, tuple(evaluate_bounds(cfg.bounds, metrics))))
+        return Gate(tuple(checked))
+    if not cfg.baseline.is_dir():
+        raise ProbeError(f"{cfg.baseline} is not a run directory")
+    head_run, base_run = (run_metadata(d) for d in (run_dir, cfg.baseline))
+    differences = check_comparable(head_run, base_run, cfg.allow_different)
+    pairs, notes = _baseline_pairs(head_settings, run_dir, cfg.baseline)
+    return Gate(
+        tuple(_gate_one(cfg, s, pairs.get(s, None), notes.get(s, "")) for s in head_settings),
+        differences,
+        cfg.baseline,
+    )
+
+
+def _gate_one(cfg: CheckConfig, setting: str | None, base: str | None, note: str) -> SettingGate:
+    """One setting's bounds and, when the baseline has it (``note`` empty), its growth."""
+    assert cfg.baseline is not None
+    head = _metrics(cfg.run_dir, setting)
+    results = tuple(evaluate_bounds(cfg.bounds, head))
+    if note:
+        return SettingGate(setting, results, (), note)
+    base_metrics = _metrics(cfg.baseline, base)
+    checked = []
+    for bound in cfg.increases:
+        _check_metric(bound, head, base_metrics)
+        extra = _intervals(cfg.run_dir, cfg.baseline, bound, cfg.level, (setting, base))
+        value, base_value = head[bound.metric], base_metrics[bound.metric]
+        checked.append(IncreaseResult(bound, value, base_value, cfg.level, **extra))
+    return SettingGate(setting, results, tuple(checked))
 
 
 def run_gate(
@@ -224,39 +340,14 @@ def run_gate(
     level: float = 0.95,
     allow_different: bool = False,
     step: str | None = None,
+    settings: list[str] | None = None,
 ) -> Gate:
-    """Parse and evaluate every bound of ``probe check`` (see the module docstring).
-
-    Raises:
-        ProbeError: bad usage (no bound, a bound unparsable or naming an unknown metric,
-            ``--max-increase`` without ``--baseline`` or the reverse, a level outside (0, 1)),
-            runs that are not comparable, an unreadable run.
-    """
-    parsed = [parse_increase(s) for s in increases or []]
-    if parsed and baseline is None:
-        raise ProbeError("--max-increase needs --baseline BASE_RUN_DIR")
-    if baseline is not None and not parsed:
-        raise ProbeError("--baseline needs at least one --max-increase METRIC=1.5x or =+0.001")
-    if not 0.0 < level < 1.0:
-        raise ProbeError(f"--significance {level:g}: a confidence level in (0, 1), e.g. 0.95")
-    bounds: tuple[Bound, ...] = ()
-    if maxima or minima or not parsed:
-        bounds = parse_bounds(maxima, minima)
-    head = load_run(run_dir)
-    if step is not None and baseline is not None:
-        raise ProbeError("--step checks one training step's bounds; it does not take --baseline")
-    results = evaluate_bounds(bounds, _step_metrics(run_dir, step) if step else head.metrics)
-    if baseline is None:
-        return Gate(tuple(results), ())
-    base = load_run(baseline)
-    differences = check_comparable(head, base, allow_different)
-    checked = []
-    for bound in parsed:
-        _check_metric(bound, head.metrics, base.metrics)
-        value, base_value = head.metrics[bound.metric], base.metrics[bound.metric]
-        extra = _intervals(Path(run_dir), Path(baseline), bound, level)
-        checked.append(IncreaseResult(bound, value, base_value, level, **extra))
-    return Gate(tuple(results), tuple(checked), differences, Path(baseline))
+    """``gate`` of the ``CheckConfig`` these options make (``CheckConfig.from_options``)."""
+    return gate(
+        CheckConfig.from_options(
+            run_dir, maxima, minima, baseline, increases, level, allow_different, step, settings
+        )
+    )
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -288,16 +379,39 @@ def increase_line(res: IncreaseResult) -> Text:
 
 
 def render_gate(gate: Gate, console: Console) -> None:
-    """The baseline and what differs (if anything), one line per bound, a summary line."""
+    """The baseline and what differs (if anything), one line per bound (under a heading per
+    setting for a matrix run), and a summary naming each failing setting and metric."""
     if gate.baseline is not None:
         console.print(f"baseline {gate.baseline}", highlight=False, soft_wrap=True)
     for line in gate.differences:
         console.print(Text(f"⚠ {line}", style="yellow"), highlight=False)
-    for res in gate.bounds:
-        console.print(result_line(res), highlight=False)
-    for inc in gate.increases:
-        console.print(increase_line(inc), highlight=False)
+    for one in gate.settings:
+        indent = ""
+        if one.setting is not None:
+            mark = Text("✔ " if one.passed else "✘ ", style="green" if one.passed else "bold red")
+            console.print(mark + Text(f"setting {visible(one.setting)}", style="bold"))
+            indent = "  "
+        for res in one.bounds:
+            console.print(Text(indent) + result_line(res), highlight=False)
+        for inc in one.increases:
+            console.print(Text(indent) + increase_line(inc), highlight=False)
+        if one.note:
+            console.print(Text(f"{indent}· {one.note}", style="dim"), highlight=False)
+    console.print(summary_line(gate), highlight=False)
+
+
+def summary_line(gate: Gate) -> str:
+    """``all bounds hold`` (``... in 3 settings``), or how many failed and, for a matrix run,
+    each failing setting with its failing metrics."""
     results: list[BoundResult | IncreaseResult] = [*gate.bounds, *gate.increases]
     failed = sum(not r.passed for r in results)
-    summary = f"{failed} of {len(results)} bounds failed" if failed else "all bounds hold"
-    console.print(summary, highlight=False)
+    many = len(gate.settings) > 1 or gate.settings[0].setting is not None
+    where = f" in {len(gate.settings)} setting{'s' if len(gate.settings) > 1 else ''}"
+    if not failed:
+        return "all bounds hold" + (where if many else "")
+    text = f"{failed} of {len(results)} bounds failed"
+    if not many:
+        return text
+    bad = [s for s in gate.settings if not s.passed]
+    named = "; ".join(f"{visible(str(s.setting))} ({', '.join(s.failing)})" for s in bad)
+    return f"{text}{where}: {len(bad)} setting{'s' if len(bad) > 1 else ''} failed: {named}"

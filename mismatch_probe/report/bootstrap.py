@@ -1,5 +1,6 @@
-"""Bootstrap confidence intervals over sequences for the token-mean metrics ``k3_kl`` and
-``chi2_token``.
+"""Bootstrap confidence intervals over sequences for the token-mean metrics of ``TERMS``
+(``k3_kl``, ``chi2_token``, ``kl``, ``log_ratio_abs_mean``, ``token_mult_prob_error``,
+``f_tau_1.1``, ``f_tau_2``).
 
 Both are ratio estimators over the valid tokens of the batch, ``value = sum_i a_i / sum_i n_i +
 offset``, where ``a_i`` is sequence i's sum of a per-token term (``TERMS``) and ``n_i`` its valid
@@ -28,6 +29,7 @@ import pyarrow.compute as pc
 
 from mismatch_probe import store
 from mismatch_probe.metrics.batch import EPS, batch_from_table, clamp_b, seg_sum
+from mismatch_probe.metrics.diagnostics import ratio_spread
 from mismatch_probe.metrics.offpolicy import k3_terms
 
 MIN_SEQUENCES = 20
@@ -40,10 +42,21 @@ def _rho2(r: np.ndarray) -> np.ndarray:
     return np.exp(clamp_b(r)) ** 2
 
 
-# metric -> (per-token term of r = train - rollout, offset added to the token mean)
+def _outside(tau: float) -> Callable[[np.ndarray], np.ndarray]:
+    """1.0 where ``max(rho, 1/rho) > tau`` (the ``f_tau_<tau>`` indicator), else 0.0."""
+    return lambda r: (ratio_spread(r) > tau).astype(np.float64)
+
+
+# metric -> (per-token term of r = train - rollout, offset added to the token mean): every
+# metric here is ``mmean(term) + offset`` (metrics spec sections 3, 4 and 6).
 TERMS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], float]] = {
     "k3_kl": (k3_terms, 0.0),
     "chi2_token": (_rho2, -1.0),
+    "kl": (np.negative, 0.0),  # mmean(rollout_lp - train_lp)
+    "log_ratio_abs_mean": (np.abs, 0.0),
+    "token_mult_prob_error": (lambda r: np.exp(clamp_b(np.abs(r))), 0.0),
+    "f_tau_1.1": (_outside(1.1), 0.0),
+    "f_tau_2": (_outside(2.0), 0.0),
 }
 
 

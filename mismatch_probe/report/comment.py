@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mismatch_probe.report.compare import Comparison
+from mismatch_probe.report.compare import Comparison, Entry
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
@@ -83,18 +83,61 @@ def worse(key: str, base: float, value: float) -> bool | None:
     return abs(value) > abs(base)
 
 
-def change_cell(key: str, base: float | None, value: float | None) -> str:
-    """``↑ +35.2% 🔴 worse``: direction, relative change (absolute when the base is 0), and
-    whether that is better or worse; ``= no change`` when the table shows the same number."""
+# Signed metrics whose value sits near 0 (a sign flip is no "-534%"): the change is a difference.
+SIGNED = frozenset(
+    {"kl", "log_ppl_diff", "log_ppl_diff_max", "log_ppl_diff_min", "seq_log_ratio_slope_per_1k"}
+)
+LEVEL = 0.95  # confidence level of the intervals of a change
+
+
+def change_cell(
+    key: str, base: float | None, value: float | None, ci: tuple[float, float] | None = None
+) -> str:
+    """``↑ +35.2% 🔴 worse, 95% CI of the change [+1e-05, +3e-05]``: direction, relative change
+    (a difference for a signed metric or a base of 0), and, judged against the noise, whether
+    that is better or worse. ``ci`` is the bootstrap interval of ``value - base``: a change
+    whose interval holds 0 is ``within noise`` (no colour); without an interval the change is
+    not judged. ``= no change`` when the table shows the same number."""
     if base is None or value is None:
         return "—"
     if num(key, value) == num(key, base):  # equal as far as the table shows them
         return "= no change"
     delta = value - base
-    amount = f"{100 * delta / abs(base):+.3g}%" if base else f"{delta:+.3g}"
+    relative = bool(base) and key not in SIGNED
+    amount = f"{100 * delta / abs(base):+.3g}%" if relative else f"{delta:+.3g}"
     arrow = "↑" if delta > 0 else "↓"
-    verdict = {True: " 🔴 worse", False: " 🟢 better", None: ""}[worse(key, base, value)]
-    return f"{arrow} {amount}{verdict}"
+    direction = worse(key, base, value)
+    if direction is None:
+        return f"{arrow} {amount}"
+    if ci is None:
+        return f"{arrow} {amount} (no noise estimate)"
+    interval = f"{LEVEL:.0%} CI of the change [{ci[0]:+.3g}, {ci[1]:+.3g}]"
+    if ci[0] <= 0.0 <= ci[1]:
+        return f"{arrow} {amount} within noise, {interval}"
+    verdict = "🔴 worse" if direction else "🟢 better"
+    return f"{arrow} {amount} {verdict}, {interval}"
+
+
+def change_intervals(
+    runs: Sequence[RunContext], keys: Sequence[str], level: float = LEVEL
+) -> dict[tuple[int, str], tuple[float, float]]:
+    """``(run index, metric) -> interval of run's value - the first run's`` for the metrics the
+    bootstrap covers (``bootstrap.TERMS``) and runs with enough responses: the same paired
+    resampling as ``probe check --baseline``."""
+    from mismatch_probe.report import bootstrap
+
+    wanted = [k for k in keys if k in bootstrap.TERMS]
+    if not wanted:
+        return {}
+    stats = [bootstrap.sequence_stats(r.run_dir, r.setting) for r in runs]
+    out = {}
+    for i in range(1, len(stats)):
+        pair = [stats[0], stats[i]]
+        for key in wanted:
+            if all(s.usable(key) for s in pair):
+                base, head = bootstrap.replicates(pair, key)
+                out[(i, key)] = bootstrap.interval(head - base, level)
+    return out
 
 
 def clip_token(tok: WorstToken, width: int = CLIP) -> WorstToken:
@@ -156,7 +199,9 @@ def fit(parts: list[tuple[str, list[str]]], limit: int = COMMENT_LIMIT) -> str:
 
 def _header(ctx: RunContext, title: str) -> list[str]:
     m = ctx.metrics
-    facts = f"{escape(ctx.label)} · {m.get('num_tokens', 0):,.0f} response tokens"
+    source = ctx.run.get("model", {}).get("source")
+    weights = f" · weights: {escape(str(source))}" if source else ""
+    facts = f"{escape(ctx.label)}{weights} · {m.get('num_tokens', 0):,.0f} response tokens"
     return [f"### {title}", "", facts + f" · {m.get('num_sequences', 0):,.0f} responses", ""]
 
 
@@ -174,14 +219,23 @@ def _tail(ctx: RunContext) -> list[tuple[str, list[str]]]:
     return parts
 
 
-def run_comment(ctx: RunContext) -> str:
-    """The comment of one run (``probe report RUN --format pr-comment``)."""
+def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
+    """The comment of one run (``probe report RUN --format pr-comment``); a matrix run's
+    (``entries``: its settings) starts with every setting judged."""
     model = escape(ctx.run.get("model", {}).get("name", ctx.label))
     verdicts = evaluate(ctx.metrics)
-    head = _header(ctx, f"Mismatch report: {model}")
-    head += [verdict_counts([v.status for v in verdicts]), ""]
+    counts = verdict_counts([v.status for v in verdicts])
+    top: list[tuple[str, list[str]]] = []
+    if entries and len(entries) > 1:
+        from mismatch_probe.report.grid import every_setting_markdown, judge
+
+        judged = judge([(e.label, e.metrics) for e in entries])
+        top = [("Every setting", every_setting_markdown(judged, ctx.label, "####"))]
+        counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
+    head = [*_header(ctx, f"Mismatch report: {model}"), counts, ""]
     parts = [
         ("Header", head),
+        *top,
         ("Verdicts", titled("Verdicts", verdict_section(verdicts))),
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
         *_tail(ctx),
@@ -216,9 +270,13 @@ def comparison_verdicts(runs: Sequence[RunContext], labels: list[str]) -> list[s
 
 
 def comparison_metrics(
-    keys: Sequence[str], runs: Sequence[RunContext], labels: list[str]
+    keys: Sequence[str],
+    runs: Sequence[RunContext],
+    labels: list[str],
+    intervals: dict[tuple[int, str], tuple[float, float]] | None = None,
 ) -> list[str]:
-    """metric | baseline | (value, change) per later run, for ``keys`` some run has."""
+    """metric | baseline | (value, change) per later run, for ``keys`` some run has; a change
+    is judged against its interval (``change_intervals``) when there is one."""
     header = ["metric", *_run_header_cells(labels[:1])]
     for label in labels[1:]:
         header += [escape(label), f"change vs {escape(labels[0])}"]
@@ -228,34 +286,80 @@ def comparison_metrics(
         if all(v is None for v in values):
             continue
         cells = ["—" if values[0] is None else num(key, values[0])]
-        for value in values[1:]:
-            cells += ["—" if value is None else num(key, value), change_cell(key, values[0], value)]
+        for i, value in enumerate(values[1:], 1):
+            ci = (intervals or {}).get((i, key))
+            cells += [
+                "—" if value is None else num(key, value),
+                change_cell(key, values[0], value, ci),
+            ]
         rows.append([f"`{key}`", *cells])
     return table(header, rows, "l" + "r" * (len(header) - 1))
 
 
+NOISE_NOTE = (
+    f"<sub>A change is judged against its noise: {LEVEL:.0%} bootstrap interval of the "
+    "difference over responses (paired when the runs hold the same responses); within noise "
+    "when it holds 0. `kl` and `log_ppl_diff` change as a difference, not a percentage.</sub>"
+)
+
+
 def comparison_comment(comparison: Comparison) -> str:
     """The comment of ``probe compare BASE HEAD --format pr-comment``: HEAD (the last run)
-    against the baseline (the first)."""
-    runs = list(comparison.runs)
-    labels = [e.label for e in comparison.entries]
+    against the baseline (the first), setting by setting for precision-matrix runs."""
+    pairs = comparison.all_pairs
+    runs = list(pairs[0].runs)
+    labels = [e.label for e in pairs[0].entries]
     head_ctx = runs[-1]
     model = escape(head_ctx.run.get("model", {}).get("name", head_ctx.label))
     title = f"Mismatch: {escape(labels[-1])} vs {escape(labels[0])} ({model})"
     head = _header(head_ctx, title)
     head += [f"> ⚠️ **The runs differ:** {escape(w)}" for w in comparison.warnings]
     head += [""] if comparison.warnings else []
-    head += [verdict_counts([v.status for v in evaluate(head_ctx.metrics)]), ""]
     keys = [k for k, _ in KEY_METRICS]
-    every = sorted({k for r in runs for k in r.metrics})
-    parts = [
-        ("Header", head),
-        ("Verdicts", ["#### Verdicts", "", *comparison_verdicts(runs, labels), ""]),
-        ("Key metrics", ["#### Key metrics", "", *comparison_metrics(keys, runs, labels), ""]),
-        *_tail(head_ctx),
-        (
-            "Every metric",
-            details(f"Every metric ({len(every)})", comparison_metrics(every, runs, labels)),
-        ),
-    ]
-    return fit(parts)
+    if len(pairs) == 1:
+        head += [verdict_counts([v.status for v in evaluate(head_ctx.metrics)]), ""]
+        intervals = change_intervals(runs, keys)
+        every = sorted({k for r in runs for k in r.metrics})
+        parts = [
+            ("Header", head),
+            ("Verdicts", ["#### Verdicts", "", *comparison_verdicts(runs, labels), ""]),
+            (
+                "Key metrics",
+                ["#### Key metrics", "", *comparison_metrics(keys, runs, labels, intervals), ""],
+            ),
+            ("Noise", [NOISE_NOTE, ""]),
+            *_tail(head_ctx),
+            (
+                "Every metric",
+                details(f"Every metric ({len(every)})", comparison_metrics(every, runs, labels)),
+            ),
+        ]
+        return fit(parts)
+    return fit([("Header", head), *_matrix_parts(comparison, keys), *_tail(head_ctx)])
+
+
+def _matrix_parts(comparison: Comparison, keys: list[str]) -> list[tuple[str, list[str]]]:
+    """Every setting's HEAD verdicts (the grid), then each paired setting's key metrics with
+    their changes, and the settings only some runs hold."""
+    from mismatch_probe.report.grid import every_setting_markdown, judge
+
+    pairs = comparison.all_pairs
+    judged = judge([(str(p.setting), p.runs[-1].metrics) for p in pairs])
+    top = every_setting_markdown(judged, str(pairs[0].setting), "####")[:-2]
+    head_label = escape(pairs[0].entries[-1].label)
+    top[0] = f"#### Every setting of {head_label} judged ({len(pairs)} paired by name)"
+    parts = [("Every setting", [*top, ""])]
+    for pair in pairs:
+        runs, labels = list(pair.runs), [e.label for e in pair.entries]
+        metrics = comparison_metrics(keys, runs, labels, change_intervals(runs, keys))
+        parts.append(
+            (
+                f"Key metrics of {pair.setting}",
+                [f"#### Key metrics of {escape(pair.title)}", "", *metrics, ""],
+            )
+        )
+    if comparison.unpaired:
+        lines = [f"- {escape(line)}" for line in comparison.unpaired_lines()]
+        parts.append(("Unpaired", ["#### Settings only some runs hold", "", *lines, ""]))
+    parts.append(("Noise", [NOISE_NOTE, ""]))
+    return parts

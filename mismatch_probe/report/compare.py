@@ -10,6 +10,7 @@ which the reports print as a warning: such runs measure different things.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -127,16 +128,50 @@ def unique_labels(runs: list[RunContext]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """Loaded runs, their entries and what differs between them."""
+class SettingPair:
+    """One setting across the runs compared (``setting`` None: runs of one setting each).
 
+    ``runs[i]`` is run i's context restricted to the setting; ``entries[i]`` its entry,
+    labelled with the run's label (the setting is the pair's title)."""
+
+    setting: str | None
     runs: tuple[RunContext, ...]
     entries: tuple[Entry, ...]
-    warnings: tuple[str, ...]
 
     @property
     def rows(self) -> list[CompareRow]:
         return compare_rows(list(self.entries))
+
+    @property
+    def title(self) -> str:
+        return f"setting {self.setting}" if self.setting is not None else ""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Loaded runs, their entries and what differs between them.
+
+    ``runs`` / ``entries``: the first pair's (the only pair when no run holds several settings);
+    ``pairs``: every setting the runs share, in the first run's order; ``unpaired``: each
+    setting only some runs hold, with the labels of those runs."""
+
+    runs: tuple[RunContext, ...]
+    entries: tuple[Entry, ...]
+    warnings: tuple[str, ...]
+    pairs: tuple[SettingPair, ...] = ()
+    unpaired: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def rows(self) -> list[CompareRow]:
+        return compare_rows(list(self.entries))
+
+    @property
+    def all_pairs(self) -> tuple[SettingPair, ...]:
+        return self.pairs or (SettingPair(None, self.runs, self.entries),)
+
+    def unpaired_lines(self) -> list[str]:
+        """``rollout=fp16 | train=fp32: only in a`` for each setting not every run holds."""
+        return [f"{s}: only in {', '.join(labels)}" for s, labels in self.unpaired]
 
 
 def default_out_dir() -> Path:
@@ -144,15 +179,68 @@ def default_out_dir() -> Path:
     return Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def load_comparison(run_dirs: list[Path]) -> Comparison:
-    """Load every run (its stored metrics); at least two are needed."""
+def load_comparison(run_dirs: list[Path], settings: tuple[str, ...] = ()) -> Comparison:
+    """Load every run (its stored metrics); at least two are needed. When a run holds several
+    settings (or ``settings`` are asked for), settings are paired by name across the runs: one
+    ``SettingPair`` per setting every run holds, the others listed as ``unpaired``.
+
+    Raises:
+        ProbeError: fewer than two runs, a ``--setting`` no run holds, no setting in common.
+    """
+    from mismatch_probe.report.settings import setting_names
+
     if len(run_dirs) < 2:
         raise ProbeError("compare needs at least two run directories")
-    runs = [load_run(d) for d in run_dirs]
-    labels = unique_labels(runs)
-    entries = tuple(Entry(lab, r.metrics, r.curves) for lab, r in zip(labels, runs, strict=True))
-    warnings = tuple(run_differences(labels, [r.run for r in runs]))
-    return Comparison(tuple(runs), entries, warnings)
+    names = [setting_names(Path(d)) if Path(d).is_dir() else [] for d in run_dirs]
+    if not settings and all(len(n) < 2 for n in names):
+        runs = [load_run(d) for d in run_dirs]
+        labels = unique_labels(runs)
+        entries = tuple(
+            Entry(lab, r.metrics, r.curves) for lab, r in zip(labels, runs, strict=True)
+        )
+        warnings = tuple(run_differences(labels, [r.run for r in runs]))
+        return Comparison(tuple(runs), entries, warnings)
+    return _load_pairs([Path(d) for d in run_dirs], names, settings)
+
+
+def _load_pairs(
+    run_dirs: list[Path], names: list[list[str]], wanted: tuple[str, ...]
+) -> Comparison:
+    """Settings paired by name (see ``load_comparison``); runs labelled by directory."""
+    from mismatch_probe.report.context import _run_metadata
+
+    order = list(dict.fromkeys(s for n in names for s in n))
+    missing = [w for w in wanted if w not in order]
+    if missing:
+        raise ProbeError(f"--setting {missing[0]!r}: none of the runs holds it")
+    order = [s for s in order if s in wanted] if wanted else order
+    labels = _dir_labels(run_dirs)
+    metas = [_run_metadata(d) for d in run_dirs]
+    pairs, unpaired = [], []
+    for setting in order:
+        holders = [i for i, n in enumerate(names) if setting in n]
+        if len(holders) < len(run_dirs):
+            unpaired.append((setting, tuple(labels[i] for i in holders)))
+            continue
+        runs = tuple(load_run(d, setting=setting) for d in run_dirs)
+        entries = tuple(
+            Entry(lab, r.metrics, r.curves) for lab, r in zip(labels, runs, strict=True)
+        )
+        pairs.append(SettingPair(setting, runs, entries))
+    if not pairs:
+        held = "; ".join(
+            f"{lab}: {', '.join(n) or 'none'}" for lab, n in zip(labels, names, strict=True)
+        )
+        raise ProbeError(f"the runs share no setting ({held})")
+    warnings = tuple(run_differences(labels, metas))
+    return Comparison(pairs[0].runs, pairs[0].entries, warnings, tuple(pairs), tuple(unpaired))
+
+
+def _dir_labels(run_dirs: list[Path]) -> list[str]:
+    labels = [d.name for d in run_dirs]
+    if len(set(labels)) == len(labels):
+        return labels
+    return [f"run {i}: {d.name}" for i, d in enumerate(run_dirs, 1)]
 
 
 def _cell(key: str, value: float | None) -> str:
@@ -171,9 +259,10 @@ def row_cells(row: CompareRow) -> list[str]:
     return cells
 
 
-def comparison_table(entries: list[Entry], rows: list[CompareRow]) -> Table:
+def comparison_table(entries: list[Entry], rows: list[CompareRow], title: str = "") -> Table:
     """metric | first | second | ×ratio | ...: the ratio of each later entry to the first."""
-    table = Table(title="Key metrics (×: ratio to the first run)", title_justify="left")
+    where = f" of {title}" if title else ""
+    table = Table(title=f"Key metrics{where} (×: ratio to the first run)", title_justify="left")
     table.add_column("metric")
     for i, e in enumerate(entries):
         table.add_column(Text(visible(e.label)), justify="right")
@@ -189,7 +278,12 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
     parts: list[RenderableType] = [
         Text(f"⚠ {visible(w)}", style="yellow") for w in comparison.warnings
     ]
-    parts.append(comparison_table(list(comparison.entries), comparison.rows))
+    if comparison.pairs:
+        n = len(comparison.pairs)
+        parts.append(Text(f"{n} setting{'s' if n > 1 else ''} paired by name", style="bold"))
+    for pair in comparison.all_pairs:
+        parts.append(comparison_table(list(pair.entries), pair.rows, visible(pair.title)))
+    parts += [Text(f"· {visible(line)}", style="yellow") for line in comparison.unpaired_lines()]
     from mismatch_probe.report import attribution
 
     labels = [e.label for e in comparison.entries]
@@ -198,7 +292,9 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
     console.print(Group(*parts))
 
 
-def overlay_plots(entries: list[Entry], out_dir: Path) -> dict[str, tuple[Path, str]]:
+def overlay_plots(
+    entries: list[Entry], out_dir: Path, setting: str | None = None
+) -> dict[str, tuple[Path, str]]:
     """One PNG per ``OVERLAYS`` kind with every entry's curve; name -> (path, title)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
@@ -208,48 +304,78 @@ def overlay_plots(entries: list[Entry], out_dir: Path) -> dict[str, tuple[Path, 
             draw(ax, e.curves, label=e.label)
         ax.legend(fontsize=8)
         subtitle = f"{len(entries)} runs; first: {entries[0].label}"
+        subtitle = visible(f"{setting}: {subtitle}" if setting else subtitle)
         written[name] = (save(fig, out_dir / f"compare_{name}.png", title, subtitle), title)
     return written
 
 
+def _key_metrics_lines(pair: SettingPair, heading: str) -> list[str]:
+    entries = list(pair.entries)
+    header = ["metric"]
+    for i, e in enumerate(entries):
+        header += [escape(e.label)] + ([f"× {escape(entries[0].label)}"] if i else [])
+    body = [[f"`{row.key}`", *row_cells(row)] for row in pair.rows]
+    return [heading, "", *table(header, body, "l" + "r" * (len(header) - 1)), ""]
+
+
 def comparison_markdown(
-    comparison: Comparison, plots: dict[str, tuple[Path, str]], base: Path
+    comparison: Comparison, plots: list[dict[str, tuple[Path, str]]], base: Path
 ) -> str:
-    """``compare.md``: the runs, the warnings, the table with ratios, the overlaid plots."""
-    entries, rows = list(comparison.entries), comparison.rows
+    """``compare.md``: the runs (directory names, no absolute path), the warnings, a table with
+    ratios per setting paired (and the settings only some runs hold), the overlaid plots
+    (``plots[i]``: pair i's)."""
     runs = [
-        [escape(e.label), escape(str(r.run_dir))]
-        for e, r in zip(entries, comparison.runs, strict=True)
+        [escape(e.label), escape(r.run_dir.name)]
+        for e, r in zip(comparison.entries, comparison.runs, strict=True)
     ]
     lines = ["# Mismatch comparison", "", *table(["run", "directory"], runs), ""]
     lines += [f"> **Warning:** {escape(w)}" for w in comparison.warnings]
     lines += [""] if comparison.warnings else []
-    header = ["metric"]
-    for i, e in enumerate(entries):
-        header += [escape(e.label)] + ([f"× {escape(entries[0].label)}"] if i else [])
-    body = [[f"`{row.key}`", *row_cells(row)] for row in rows]
-    lines += ["## Key metrics", "", *table(header, body, "l" + "r" * (len(header) - 1)), ""]
+    pairs = comparison.all_pairs
+    if comparison.pairs:
+        lines += [f"{len(pairs)} setting(s) paired by name, each compared on its own.", ""]
+    for pair in pairs:
+        where = f" of {escape(pair.title)}" if pair.setting is not None else ""
+        lines += _key_metrics_lines(pair, f"## Key metrics{where}")
+    if comparison.unpaired:
+        lines += ["## Settings only some runs hold", ""]
+        lines += [f"- {escape(line)}" for line in comparison.unpaired_lines()] + [""]
     from mismatch_probe.report import attribution
 
-    labels = [e.label for e in entries]
+    labels = [e.label for e in comparison.entries]
     links = attribution.compare_rows([r.run_dir for r in comparison.runs])
     lines += attribution.compare_markdown(labels, links)
     lines += ["## Plots", ""]
-    for path, title in plots.values():
-        lines += [f"![{escape(title)}]({path.relative_to(base).as_posix()})", ""]
+    for pair, drawn in zip(pairs, plots, strict=True):
+        if pair.setting is not None and len(pairs) > 1:
+            lines += [f"### {escape(pair.title)}", ""]
+        for path, title in drawn.values():
+            lines += [f"![{escape(title)}]({path.relative_to(base).as_posix()})", ""]
     return "\n".join(lines)
 
 
+def _slug(text: str) -> str:
+    """A setting as a directory name: ``rollout=bf16,kv=fp8_train=fp32``."""
+    return re.sub(r"[^A-Za-z0-9=.,-]+", "_", text).strip("_") or "setting"
+
+
 def write_comparison(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
-    """Write the overlaid plots, ``compare.md`` and ``compare.html`` into ``out_dir``; returns
-    their paths."""
+    """Write the overlaid plots (``settings/<setting>/`` for each of several settings paired),
+    ``compare.md`` and ``compare.html`` into ``out_dir``; returns their paths."""
     from mismatch_probe.report.html import write_html
 
     store.writable_dir(out_dir, "--out")
-    plots = overlay_plots(list(comparison.entries), out_dir)
+    pairs = comparison.all_pairs
+    plots = []
+    for pair in pairs:
+        where = out_dir if len(pairs) == 1 else out_dir / "settings" / _slug(str(pair.setting))
+        plots.append(overlay_plots(list(pair.entries), where, pair.setting))
     report = out_dir / store.COMPARE_FILE
     text = comparison_markdown(comparison, plots, out_dir)
     store.write_text(report, text)
     html = write_html(text, report, "Mismatch comparison")
-    plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
+    plot_paths = {}
+    for i, drawn in enumerate(plots):
+        prefix = "plot_" if len(plots) == 1 else f"plot_{i + 1}_"
+        plot_paths.update({f"{prefix}{name}": path for name, (path, _) in drawn.items()})
     return {"report": report, "html": html, **plot_paths}

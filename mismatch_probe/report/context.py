@@ -44,11 +44,14 @@ class WorstToken:
     rollout_logprob: float
     train_logprob: float
     support_flip: bool | None
+    known: tuple[str, ...] = ()  # routing / attribution causes found (``causes.known_causes``)
 
     @property
     def cause(self) -> str:
-        """``support flip`` (the top-k/top-p boundary moved) or ``numeric drift``."""
-        return CAUSES[self.support_flip]
+        """Every cause the run shows for this token (``causes.describe``), ``—`` if none."""
+        from mismatch_probe.report.causes import describe
+
+        return describe(self.support_flip, self.rollout_logprob, self.train_logprob, self.known)
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,22 @@ def load_run(
         metrics=flat,
         config=data["config"],
         curves=curves,
-        worst=tuple(worst_tokens(tokens, curves.get("worst_tokens", []))),
+        worst=_with_causes(run_dir, setting, worst_tokens(tokens, curves.get("worst_tokens", []))),
         setting=setting,
+    )
+
+
+def _with_causes(
+    run_dir: Path, setting: str | None, worst: list[WorstToken]
+) -> tuple[WorstToken, ...]:
+    """The worst tokens with the routing and attribution causes the run records for them."""
+    import dataclasses
+
+    from mismatch_probe.report.causes import known_causes
+
+    found = known_causes(run_dir, setting, [(t.seq_id, t.position) for t in worst])
+    return tuple(
+        dataclasses.replace(t, known=tuple(found.get((t.seq_id, t.position), []))) for t in worst
     )
 
 

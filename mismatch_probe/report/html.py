@@ -72,6 +72,11 @@ p:has(> img) { display: inline-block; margin: 0 .6rem .6rem 0; vertical-align: t
   max-width: 100%; }
 @media (min-width: 1100px) { p:has(> img) { width: 49%; margin-right: .5%; } }
 .missing { color: #cf222e; font-style: italic; }
+th code, td code { white-space: nowrap; overflow-wrap: normal; }
+.verdict { font-weight: 700; padding: 0 .3em; border-radius: 3px; white-space: nowrap; }
+.verdict.pass { color: #1a7f37; background: #dafbe1; }
+.verdict.fail { color: #cf222e; background: #ffebe9; }
+.verdict.na { color: var(--muted); }
 details { margin: .6rem 0 1rem; }
 summary { cursor: pointer; font-weight: 600; }
 @media print {
@@ -156,9 +161,24 @@ def _visible_controls(text: str) -> str:
     )
 
 
+# The Markdown's verdict marks (``markdown.VERDICT_MARK``) -> words with a class and a colour:
+# a browser without an emoji font shows the emoji as empty boxes, the words read everywhere.
+VERDICT_HTML = {
+    "✅ PASS": '<span class="verdict pass">PASS</span>',
+    "❌ FAIL": '<span class="verdict fail">FAIL</span>',
+    "➖ n/a": '<span class="verdict na">n/a</span>',
+}
+
+
+def _verdict_words(body: str) -> str:
+    for mark, span in VERDICT_HTML.items():
+        body = body.replace(mark, span)
+    return body
+
+
 def render_html(markdown: str, base: Path, title: str) -> str:
     """The whole HTML document of ``markdown``; images are resolved against ``base``."""
-    body = _markdown_parser(Path(base)).render(markdown)
+    body = _verdict_words(_markdown_parser(Path(base)).render(markdown))
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'

@@ -13,6 +13,7 @@ import math
 import re
 from pathlib import Path
 
+from mismatch_probe.report.causes import LEGEND
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.sections import (
     KEY_METRICS,
@@ -35,7 +36,10 @@ def escape(text: str) -> str:
     """Model or user text -> inert Markdown for one table cell (see the module docstring)."""
     text = _MD_SPECIAL.sub(r"\\\1", text)
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return visible(text.replace("@", "@" + _ZWSP).replace("#", "#" + _ZWSP))
+    text = text.replace("@", "@" + _ZWSP).replace("#", "#" + _ZWSP)
+    for mark in ("✅", "❌", "➖"):  # model text never reads as a verdict (html.VERDICT_HTML)
+        text = text.replace(mark, mark + _ZWSP)
+    return visible(text)
 
 
 def table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
@@ -118,7 +122,8 @@ def worst_section(worst: tuple[WorstToken, ...]) -> list[str]:
     ]
     header = ["#", "seq:pos", "token in context", "log ρ", "p rollout", "p train", "cause"]
     intro = "The tokens of largest |log ρ| (ρ = p_train / p_rollout), the token in bold."
-    return ["## Worst tokens", "", intro, "", *table(header, rows, "rllrrrl"), ""]
+    legend = escape(LEGEND)
+    return ["## Worst tokens", "", intro, "", *table(header, rows, "rllrrrl"), "", legend, ""]
 
 
 def all_metrics_section(metrics: dict[str, float]) -> list[str]:
@@ -134,10 +139,19 @@ def all_metrics_section(metrics: dict[str, float]) -> list[str]:
     ]
 
 
-def render_markdown(ctx: RunContext, plots: dict[str, tuple[Path, str]]) -> str:
-    """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title)."""
+def render_markdown(
+    ctx: RunContext, plots: dict[str, tuple[Path, str]], top: list[str] | None = None
+) -> str:
+    """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title); ``top``
+    (every setting of a matrix run judged) comes right after the title."""
     title = f"# Mismatch report: {escape(ctx.run.get('model', {}).get('name', ctx.label))}"
-    lines = [title, "", *settings_section(ctx), *verdict_section(evaluate(ctx.metrics))]
+    lines = [
+        title,
+        "",
+        *(top or []),
+        *settings_section(ctx),
+        *verdict_section(evaluate(ctx.metrics)),
+    ]
     lines += key_metrics_section(ctx.metrics) + presets_section(ctx)
     lines += plots_section(plots, ctx.run_dir) + worst_section(ctx.worst)
     lines += all_metrics_section(ctx.metrics)

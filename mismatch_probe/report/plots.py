@@ -62,10 +62,15 @@ def plain_ticks(axis: Any, ticks: tuple[float, ...]) -> None:
 
 
 def log_y(ax: Axes, values: np.ndarray, label: str) -> None:
-    """Log y axis when any value is positive (an all-zero run stays linear), and its label."""
+    """Log y axis when any value is positive (an all-zero run stays linear), and its label.
+
+    When an earlier curve (all zero, drawn first) left the axis linear with fixed limits, the
+    switch to log scale re-enables autoscaling: a linear lower limit of 0 kept on a log axis
+    would hide every curve."""
     positive = bool(np.any(np.asarray(values) > 0)) or ax.get_yscale() == "log"
-    if positive:
+    if positive and ax.get_yscale() != "log":
         ax.set_yscale("log")
+        ax.autoscale(enable=True, axis="y")
     ax.set_ylabel(f"{label} (log scale)" if positive else label)
 
 
@@ -91,8 +96,11 @@ def draw_position(
 ) -> None:
     """``key`` of each non-empty position bin at the bin's middle position (log2 x)."""
     rows = [b for b in curves["position_bins"] if b["count"]]
-    mids = [(b["lo"] + (b["hi"] if b["hi"] is not None else 2 * b["lo"])) / 2 for b in rows]
-    values = [b[key] for b in rows]
+    shown = [b for b in rows if b[key] > 0]  # a zero cannot be drawn on the log axis
+    mids = [(b["lo"] + (b["hi"] if b["hi"] is not None else 2 * b["lo"])) / 2 for b in shown]
+    values = [b[key] for b in shown]
+    if rows and not shown:
+        label += " (0 at every position)"
     ax.plot(mids, values, marker="o", markersize=4, label=label)
     ax.set_xscale("log", base=2)
     plain_ticks(ax.xaxis, POSITION_TICKS)
@@ -150,6 +158,8 @@ def plot_ratio_hist(fig: Figure, ax: Axes, ctx: RunContext) -> None:
             fontsize=8,
         )
     ax.margins(x=0.08)
+    left, right = ax.get_xlim()  # the bounds stay in view when every ratio is near 1
+    ax.set_xlim(min(left, low / 1.25), max(right, cap * 1.25, high * 1.25))
     ax.legend(fontsize=8, loc="upper right")
 
 
@@ -231,7 +241,8 @@ def plot_prob_bins(fig: Figure, ax: Axes, ctx: RunContext) -> None:
     rows = ctx.curves["rollout_prob_bins"]
     x = np.arange(len(rows))
     means = np.array([b["mean_abs_log_ratio"] for b in rows])
-    ax.bar(x, means, color="tab:blue", label="mean |log ρ| (left axis)")
+    zero = " (0 in every bin)" if not means.any() else ""
+    ax.bar(x, means, color="tab:blue", label=f"mean |log ρ| (left axis){zero}")
     log_y(ax, means, "mean |log ρ| per token, nats")
     if means.max(initial=0.0) > 0:  # headroom for the legend above the bars
         ax.set_ylim(top=means.max() * (10.0 if ax.get_yscale() == "log" else 1.4))
@@ -247,7 +258,7 @@ def plot_prob_bins(fig: Figure, ax: Axes, ctx: RunContext) -> None:
         color="tab:orange",
         marker="o",
         markersize=4,
-        label="share of total |log ρ| (right axis)",
+        label=f"share of total |log ρ| (right axis){zero}",
     )
     share.set_ylabel("share of total |log ρ| (%)")
     share.set_ylim(0, 1.5 * max(max(shares), 1.0))  # headroom for the legend

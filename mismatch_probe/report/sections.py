@@ -6,6 +6,7 @@ formatting. Plain data plus two small functions; no rendering here.
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any
 
 from mismatch_probe.errors import printable
@@ -103,10 +104,16 @@ def metric_groups(metrics: dict[str, float]) -> list[tuple[str, list[str]]]:
 
 
 def preset_rows(metrics: dict[str, float], config: dict) -> list[tuple[str, str, list[float]]]:
-    """``[(preset, correction, [token masked, seq masked, ESS])]`` for each computed preset."""
+    """``[(preset, correction, [token masked, seq masked, ESS])]`` for each computed preset, in
+    ``PRESETS`` order whatever the order the config was stored in (``metrics.json`` sorts its
+    keys), so every renderer lists them alike."""
+    from mismatch_probe.metrics.presets import PRESETS
+
     described = config.get("presets") or {}
+    known = list(PRESETS)
+    ordered = sorted(described, key=lambda n: (known.index(n) if n in known else len(known), n))
     rows = []
-    for name, correction in described.items():
+    for name, correction in ((n, described[n]) for n in ordered):
         keys = [f"{PRESET_PREFIX}{name}/{col}" for col in PRESET_COLUMNS]
         if all(k in metrics for k in keys):
             rows.append((name, correction, [metrics[k] for k in keys]))
@@ -142,10 +149,10 @@ def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) ->
     s, prompts = run.get("sampling", {}), run.get("prompts", {})
     sampling = " ".join(f"{k}={s[k]}" for k in ("temperature", "top_p", "top_k") if k in s)
     return [
-        ("model", run.get("model", {}).get("name", "?")),
+        ("model", model_text(run)),
         ("precisions", label),
-        ("prompts", f"{prompts.get('count', '?')} from {prompts.get('path', '?')}"),
-        ("chat template", prompts.get("chat", "?")),
+        ("prompts", f"{prompts.get('count', '?')} from {file_name(prompts.get('path'))}"),
+        ("chat template", yes_no(prompts.get("chat"))),
         ("sampling", sampling or "?"),
         ("max tokens", s.get("max_tokens", "?")),
         ("log-probs", s.get("logprobs_mode", "?")),
@@ -163,6 +170,27 @@ def steps_cell(counts: dict[str, Any]) -> str:
     return text
 
 
+def model_text(run: dict[str, Any]) -> str:
+    """``SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to float32)``: the model's name and what
+    its weights are (``run.json`` model.source, when recorded)."""
+    model = run.get("model", {})
+    name, source = model.get("name", "?"), model.get("source")
+    return f"{name} ({source})" if source else str(name)
+
+
+def file_name(path: Any) -> str:
+    """A path from ``run.json`` by its file name only: no absolute path of the user's machine
+    reaches a report or a PR comment."""
+    if not isinstance(path, str) or not path:
+        return "?"
+    return PurePath(path).name or path
+
+
+def yes_no(value: Any) -> str:
+    """A recorded boolean as ``yes`` / ``no`` (``?`` when not recorded)."""
+    return {True: "yes", False: "no"}.get(value, "?") if isinstance(value, bool) else "?"
+
+
 def ingest_rows(run: dict[str, Any], metrics: dict[str, float]) -> list[tuple]:
     """What an ingested run measured: the framework's logs, steps and log-prob fields."""
     source, available, counts = (
@@ -171,7 +199,7 @@ def ingest_rows(run: dict[str, Any], metrics: dict[str, float]) -> list[tuple]:
         run.get("counts", {}),
     )
     return [
-        ("source", f"{source.get('format', '?')} {source.get('path', '?')}"),
+        ("source", f"{source.get('format', '?')} {file_name(source.get('path'))}"),
         ("format", source.get("format_version", "?")),
         ("steps", steps_cell(counts)),
         ("rollout side", available.get("rollout_logprobs", "?")),

@@ -16,9 +16,8 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from mismatch_probe import store
-from mismatch_probe.report.compare import Entry, compare_rows, comparison_table, overlay_plots
-from mismatch_probe.report.compare import row_cells as compare_row_cells
-from mismatch_probe.report.markdown import escape, table
+from mismatch_probe.report.compare import Entry, overlay_plots
+from mismatch_probe.report.markdown import escape
 from mismatch_probe.report.sections import visible
 
 
@@ -33,6 +32,34 @@ def setting_names(run_dir: Path, order: list[str] | None = None) -> list[str]:
         return present
     order = order or _run_json(run_dir).get("settings") or sorted(present)
     return [s for s in order if s in present] + [s for s in present if s not in order]
+
+
+def select_settings(
+    run_dir: Path, wanted: tuple[str, ...] = (), order: list[str] | None = None
+) -> list[str | None]:
+    """The settings a report, a check or a comparison covers, in the scan's order: every
+    setting of a matrix store, or only ``wanted`` (``--setting``, repeatable); ``[None]`` for a
+    store of one setting (the whole store).
+
+    Raises:
+        ProbeError: a wanted setting the store does not hold (the settings it holds are named).
+    """
+    import difflib
+
+    from mismatch_probe.errors import ProbeError
+
+    names = setting_names(run_dir, order)
+    missing = [w for w in wanted if w not in names]
+    if missing:
+        close = difflib.get_close_matches(missing[0], names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        held = "; ".join(names) or "none recorded"
+        raise ProbeError(
+            f"--setting {missing[0]!r}: {run_dir.name} has no such setting{hint} (it holds: {held})"
+        )
+    if len(names) < 2:
+        return [None]
+    return [n for n in names if n in wanted] if wanted else list(names)
 
 
 def setting_entries(
@@ -73,39 +100,49 @@ def recommendation(entries: list[Entry]) -> str:
     return f"Lowest mismatch: {best.label} (k3_kl {best.metrics['k3_kl']:.3g}{cost})."
 
 
+def judged(entries: list[Entry]) -> list[Any]:
+    """Every setting's verdicts (``grid.judge``), failing first."""
+    from mismatch_probe.report.grid import judge
+
+    return judge([(e.label, e.metrics) for e in entries])
+
+
 def render_settings(entries: list[Entry], console: Console) -> None:
-    """The settings table (ratio to the least-mismatch setting) and the recommendation."""
-    table_ = comparison_table(entries, compare_rows(entries))
-    table_.title = "Settings, least mismatch first (×: ratio to the first)"
-    console.print(Group(table_, Text(visible(recommendation(entries)), style="bold")))
+    """The setting x verdict grid, the matrix table and the recommendation."""
+    from mismatch_probe.report.grid import grid_table, headline, matrix_table
+
+    rows = judged(entries)
+    style = "bold red" if any(j.failing for j in rows) else "bold green"
+    console.print(
+        Group(
+            Text(visible(headline(rows)), style=style),
+            grid_table(rows),
+            matrix_table(rows),
+            Text(visible(recommendation(entries)), style="bold"),
+        )
+    )
+
+
+def settings_top_markdown(entries: list[Entry], reference: str) -> list[str]:
+    """The top of a matrix run's report.md: every setting judged (``grid``)."""
+    from mismatch_probe.report.grid import every_setting_markdown
+
+    return every_setting_markdown(judged(entries), reference)
 
 
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
-    """A ``## Precision settings`` section with the table, the recommendation and overlaid plots."""
+    """A ``## Precision settings`` section: the recommendation and the overlaid plots (the
+    settings' table is at the top of the report)."""
     plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings")
-    header = ["metric"]
-    for i, e in enumerate(entries):
-        header += [escape(e.label)] + ([f"× {escape(entries[0].label)}"] if i else [])
-    rows = [[f"`{row.key}`", *compare_row_cells(row)] for row in compare_rows(entries)]
-    speeds = [e.metrics.get("rollout_tokens_per_s") for e in entries]
-    if all(s is not None for s in speeds):
-        rows.append(["rollout tokens/s", *_speed_cells(speeds)])
     lines = [
-        "## Precision settings side by side (least mismatch first)",
+        f"## Precision settings overlaid ({len(entries)} settings)",
         "",
         f"**{escape(recommendation(entries))}**",
+        "",
     ]
-    lines += ["", *table(header, rows, "l" + "r" * (len(header) - 1)), ""]
     for path, title in plots.values():
         lines += [f"![{escape(title)}]({path.relative_to(run_dir).as_posix()})", ""]
     return "\n".join(lines)
-
-
-def _speed_cells(speeds: list[Any]) -> list[str]:
-    cells = [f"{speeds[0]:.1f}"]
-    for s in speeds[1:]:
-        cells += [f"{s:.1f}", f"×{s / speeds[0]:.3g}" if speeds[0] else "—"]
-    return cells
 
 
 def _run_json(run_dir: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from mismatch_probe import store
 from mismatch_probe.report import attribution
+from mismatch_probe.report.grid import TERMINAL_STYLE, grid_table, headline, judge
 from mismatch_probe.report.routing import load, summary_lines
 from mismatch_probe.report.sections import visible
 
@@ -70,6 +71,11 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
         f"T={sampling['temperature']} top_p={sampling['top_p']} top_k={sampling['top_k']}"
     )
     ranked = sorted(result.settings.items(), key=lambda item: item[1]["k3_kl"])
+    if len(ranked) > 1:
+        judged = judge(list(result.settings.items()))
+        style = "bold red" if any(j.failing for j in judged) else "bold green"
+        console.print(Text(visible(headline(judged)), style=style))
+        console.print(grid_table(judged))
     console.print(settings_table(ranked))
     for name, reason in result.skipped.items():
         console.print(f"[yellow]skipped[/] {_safe(name)}: {_safe(reason)}", highlight=False)
@@ -93,13 +99,19 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
 
 
 def settings_table(ranked: list[tuple[str, dict[str, Any]]]) -> Table:
+    """One row per setting (the order given): its verdict (``grid.Judged``), then
+    ``KEY_METRICS``."""
     table = Table(box=None, pad_edge=False, header_style="bold")
     table.add_column("setting", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
     for _, header, _ in KEY_METRICS:
         table.add_column(header, justify="right", no_wrap=True)
-    for name, metrics in ranked:
+    for judged in (judge([item])[0] for item in ranked):
+        metrics = judged.metrics
         cells = [fmt.format(metrics[key]) if key in metrics else "-" for key, _, fmt in KEY_METRICS]
-        table.add_row(Text(visible(name)), *cells)
+        mark, style = TERMINAL_STYLE[judged.status]
+        verdict = Text(f"{mark} {judged.summary()}", style=style)
+        table.add_row(Text(visible(judged.setting)), verdict, *cells)
     return table
 
 

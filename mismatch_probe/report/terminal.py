@@ -28,7 +28,7 @@ from mismatch_probe.report.sections import (
 from mismatch_probe.report.verdicts import FAIL, PASS, Verdict, evaluate
 
 STATUS_STYLE = {PASS: ("✔", "green"), FAIL: ("✘", "bold red"), "n/a": ("·", "dim")}
-CAUSE_STYLE = {"support flip": "magenta", "numeric drift": "", "unknown": "dim"}
+CAUSE_STYLE = {"support flip": "magenta", "—": "dim"}  # by the first cause named
 HIST_WIDTH = 40
 HIST_ROWS = 24
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -156,7 +156,7 @@ def worst_table(worst: tuple[WorstToken, ...]) -> Table:
             f"{tok.log_ratio:+.3g}",
             f"{math.exp(tok.rollout_logprob):.3g}",
             f"{math.exp(tok.train_logprob):.3g}",
-            Text(tok.cause, style=CAUSE_STYLE[tok.cause]),
+            Text(tok.cause, style=CAUSE_STYLE.get(tok.cause.split(",")[0], "")),
         )
     return table
 

@@ -1,0 +1,155 @@
+"""Every setting of a precision-matrix run judged: the setting x verdict grid and the matrix
+table in the terminal, report.md, report.html and the PR comment; ``probe report --setting``."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from mismatch_probe.report.grid import (
+    grid_markdown,
+    grid_table,
+    headline,
+    judge,
+    matrix_markdown,
+    matrix_table,
+)
+from mismatch_probe.report.html import render_html
+from tests.cli_runner import run_probe
+from tests.test_report_fixtures import matrix_run, uniform_seqs
+
+FP32, BF16, FP8 = (
+    "rollout=fp32 | train=fp32",
+    "rollout=bf16 | train=fp32",
+    "rollout=bf16,kv=fp8 | train=fp32",
+)
+SETTINGS = [
+    (FP32, {"num_tokens": 100.0, "k3_kl": 0.0, "kl": 0.0, "chi2_token": 0.0, "f_tau_2": 0.0,
+            "prob_abs_diff_max": 0.0}),
+    (BF16, {"num_tokens": 100.0, "k3_kl": 5e-5, "kl": -0.01, "chi2_token": 0.02, "f_tau_2": 0.005,
+            "prob_abs_diff_max": 0.2}),
+    (FP8, {"num_tokens": 100.0, "k3_kl": 0.004, "kl": -0.2, "chi2_token": 0.5, "f_tau_2": 0.027,
+           "prob_abs_diff_max": 0.566}),
+]  # fmt: skip
+
+
+def printed(*renderables: Any) -> list[str]:
+    console = Console(file=io.StringIO(), width=120, force_terminal=False)
+    for r in renderables:
+        console.print(r)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    return [line.rstrip() for line in out.splitlines()]
+
+
+def test_failing_settings_and_checks_come_first_in_the_terminal() -> None:
+    judged = judge(SETTINGS)
+    assert headline(judged) == f"1 of 3 settings fail a check: {FP8}."
+    assert printed(grid_table(judged)) == [
+        "Verdicts of every setting (3 settings, failing first)",
+        "",
+        " setting                            verdict           kl   f_tau_2   max|dp|       χ²",
+        " " + "─" * 84,
+        f" {FP8}   ✘ FAIL 3/4    ✘ -0.2   ✘ 0.027   ✘ 0.566    ✔ 0.5",
+        f" {FP32}          ✔ PASS           ✔ 0       ✔ 0       ✔ 0      ✔ 0",
+        f" {BF16}          ✔ PASS       ✔ -0.01   ✔ 0.005     ✔ 0.2   ✔ 0.02",
+        "",  # IS checks: computed by no setting, left out
+        "healthy when: kl |x| ≤ 0.1, f_tau_2 ≤ 0.01, max|dp| ≤ 0.5, χ² ≤ 1",
+    ]
+
+
+def test_matrix_table_one_row_per_setting_no_ratios() -> None:
+    lines = printed(matrix_table(judge(SETTINGS)))
+    assert lines[0] == "Settings, least mismatch (k3_kl) first"
+    assert lines[2] == (
+        "┃ setting                          ┃ verdict    ┃ tokens ┃ k3_kl ┃    kl ┃ chi2_token ┃"
+        " f_tau_2 ┃ max |dp| ┃"
+    )
+    assert lines[4:7] == [
+        f"│ {FP32:<32} │ ✔ PASS     │    100 │     0 │     0 │          0 │       0 │        0 │",
+        f"│ {BF16:<32} │ ✔ PASS     │    100 │ 5e-05 │ -0.01 │       0.02 │   0.005 │      0.2 │",
+        f"│ {FP8} │ ✘ FAIL 3/4 │    100 │ 0.004 │  -0.2 │        0.5 │   0.027 │    0.566 │",
+    ]
+    assert not any("×" in line for line in lines)  # no ratio to a near-zero identity
+
+
+def test_markdown_grid_and_matrix_table() -> None:
+    judged = judge(SETTINGS)
+    assert grid_markdown(judged) == [
+        "| setting | verdict | `kl` \\|x\\| ≤ 0.1 | `f_tau_2` ≤ 0.01 | `prob_abs_diff_max` ≤ 0.5 "
+        "| `chi2_token` ≤ 1 |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 3/4 | ❌ FAIL -0.2 | ❌ FAIL 0.027 "
+        "| ❌ FAIL 0.566 | ✅ PASS 0.5 |",
+        "| rollout=fp32 \\| train=fp32 | ✅ PASS | ✅ PASS 0 | ✅ PASS 0 | ✅ PASS 0 | ✅ PASS 0 |",
+        "| rollout=bf16 \\| train=fp32 | ✅ PASS | ✅ PASS -0.01 | ✅ PASS 0.005 | ✅ PASS 0.2 "
+        "| ✅ PASS 0.02 |",
+    ]
+    assert matrix_markdown(judged) == [
+        "| setting | verdict | `num_tokens` | `k3_kl` | `kl` | `chi2_token` | `f_tau_2` "
+        "| `prob_abs_diff_max` |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| rollout=fp32 \\| train=fp32 | ✅ PASS | 100 | 0 | 0 | 0 | 0 | 0 |",
+        "| rollout=bf16 \\| train=fp32 | ✅ PASS | 100 | 5e-05 | -0.01 | 0.02 | 0.005 | 0.2 |",
+        "| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 3/4 | 100 | 0.004 | -0.2 | 0.5 | 0.027 "
+        "| 0.566 |",
+    ]
+
+
+def test_html_verdicts_are_words_with_a_class() -> None:
+    html = render_html("\n".join(grid_markdown(judge(SETTINGS))), Path("."), "t")
+    assert '<td><span class="verdict fail">FAIL</span> 3/4</td>' in html
+    assert '<td style="text-align:right"><span class="verdict pass">PASS</span> 0.02</td>' in html
+    assert "✅" not in html and "❌" not in html
+    assert ".verdict.fail { color: #cf222e;" in html
+    assert "th code, td code { white-space: nowrap; overflow-wrap: normal; }" in html
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The identity first (r = 0), bf16 (r = 0.01), bf16 with an fp8 KV cache (r = 0.8: every
+    token's ratio outside [0.5, 2], so f_tau_2 = 1 fails)."""
+    seqs = {FP32: uniform_seqs(0.0, [4, 6]), BF16: uniform_seqs(0.01, [4, 6])}
+    seqs[FP8] = uniform_seqs(0.8, [4, 6])
+    return matrix_run(tmp_path_factory.mktemp("grid") / "m", seqs)
+
+
+def test_report_judges_every_setting_at_the_top(
+    matrix: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    code, out, _ = run_probe(["report", str(matrix)], monkeypatch, capsys)
+    assert code == 0
+    assert out.splitlines()[0] == f"1 of 3 settings fail a check: {FP8}."
+    text = (matrix / "report.md").read_text()
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    assert heads[:3] == [
+        "## Every setting judged",
+        "## Every setting, least mismatch (`k3_kl`) first",
+        "## Settings",
+    ]
+    assert f"*The sections below describe one setting, {FP32.replace('|', chr(92) + '|')}" in text
+    first_row = text.split("| --- |")[1].splitlines()[1]
+    assert first_row.startswith("| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 5/8 |")
+    html = (matrix / "report.html").read_text()
+    assert html.index("Every setting judged") < html.index("<h2>Verdicts</h2>")
+    assert '<span class="verdict fail">FAIL</span> 5/8' in html
+
+
+def test_report_setting_limits_the_report(
+    matrix: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    args = ["report", str(matrix), "--setting", FP8, "--setting", BF16, "--format", "pr-comment"]
+    code, out, _ = run_probe(args, monkeypatch, capsys)
+    assert code == 0
+    assert "**Verdicts of rollout=bf16 \\| train=fp32:**" in out  # the first chosen, scan order
+    assert "**1 of 2 settings fail a check: rollout=bf16,kv=fp8 \\| train=fp32.**" in out
+    assert out.index("#### Every setting judged") < out.index("#### Verdicts")
+    assert "rollout=fp32" not in out
+    # metrics.json keeps describing the scan's first setting
+    assert "k3_kl" in (matrix / "metrics.json").read_text()
+    metrics = (matrix / "metrics.json").read_text()
+    assert re.search(r'"k3_kl": 0\.0[,\n]', metrics)
