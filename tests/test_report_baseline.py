@@ -15,13 +15,8 @@ import pytest
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.report import bootstrap
-from mismatch_probe.report.baseline import (
-    Increase,
-    IncreaseResult,
-    differences,
-    parse_increase,
-    run_gate,
-)
+from mismatch_probe.report.baseline import IncreaseResult, differences, run_gate
+from mismatch_probe.report.check import Increase, parse_increase
 from tests.test_report_check import run_main
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 

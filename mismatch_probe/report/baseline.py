@@ -20,7 +20,6 @@ compared point to point.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -32,6 +31,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.report import bootstrap
 from mismatch_probe.report.check import (
     BoundResult,
+    Increase,
     did_you_mean,
     evaluate_bounds,
     result_line,
@@ -50,52 +50,6 @@ COMPARABLE: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
     (what, path) for what, path in IDENTITY if what != "model"
 )
 KINDS = {"x": "factor", "+": "absolute"}
-
-
-@dataclass(frozen=True)
-class Increase:
-    """``metric`` may be at most ``amount`` times (factor) or ``amount`` above (absolute) the
-    baseline's value."""
-
-    metric: str
-    kind: str
-    amount: float
-
-    @property
-    def text(self) -> str:
-        return f"×{self.amount:g}" if self.kind == "factor" else f"+{self.amount:g}"
-
-    def limit(self, base: Any) -> Any:
-        """The largest allowed value given the baseline's (float or array)."""
-        return self.amount * base if self.kind == "factor" else base + self.amount
-
-    def excess_text(self) -> str:
-        """The statistic bootstrapped: ``head − 1.5×base`` or ``head − base − 0.001``."""
-        if self.kind == "factor":
-            return f"head − {self.amount:g}×base"
-        return f"head − base − {self.amount:g}"
-
-
-def parse_increase(spec: str) -> Increase:
-    """``"k3_kl=1.5x"`` -> factor 1.5; ``"f_tau_2=+0.001"`` -> absolute 0.001."""
-    name, sep, text = (part.strip() for part in spec.partition("="))
-    usage = f"--max-increase {spec!r}: expected METRIC=FACTORx or METRIC=+AMOUNT, e.g. k3_kl=1.5x"
-    if not sep or not name or not text:
-        raise ProbeError(usage)
-    if text.endswith(("x", "X")):
-        kind, number = "factor", text[:-1]
-    elif text.startswith("+"):
-        kind, number = "absolute", text[1:]
-    else:
-        raise ProbeError(usage)
-    try:
-        amount = float(number)
-    except ValueError:
-        raise ProbeError(f"--max-increase {spec!r}: {number!r} is not a number") from None
-    if not math.isfinite(amount) or amount < 0 or (kind == "factor" and amount == 0):
-        what = "a factor must be a finite number > 0" if kind == "factor" else "an amount ≥ 0"
-        raise ProbeError(f"--max-increase {spec!r}: {what}")
-    return Increase(name, kind, amount)
 
 
 def differences(head: dict[str, Any], base: dict[str, Any]) -> list[str]:

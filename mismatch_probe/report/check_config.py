@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.report.check import Bound, parse_bounds
-
-if TYPE_CHECKING:
-    from mismatch_probe.report.baseline import Increase
+from mismatch_probe.report.check import Bound, Increase, parse_bounds, parse_increase
 
 
 @dataclass(frozen=True)
@@ -74,8 +70,6 @@ class CheckConfig:
         settings: list[str] | None = None,
     ) -> CheckConfig:
         """The config of the command line's options (raw ``METRIC=VALUE`` strings)."""
-        from mismatch_probe.report.baseline import parse_increase
-
         parsed = tuple(parse_increase(s) for s in increases or [])
         bounds = parse_bounds(list(maxima or []), list(minima or [])) if maxima or minima else ()
         return cls(

@@ -187,7 +187,7 @@ def load_comparison(run_dirs: list[Path], settings: tuple[str, ...] = ()) -> Com
     Raises:
         ProbeError: fewer than two runs, a ``--setting`` no run holds, no setting in common.
     """
-    from mismatch_probe.report.settings import setting_names
+    from mismatch_probe.report.context import setting_names
 
     if len(run_dirs) < 2:
         raise ProbeError("compare needs at least two run directories")

@@ -252,3 +252,26 @@ def read_token_probs(path: Path, setting: str | None = None) -> TokenProbs:
         else np.zeros(len(rollout), dtype=bool)
     )
     return TokenProbs(rollout, train, flip)
+
+
+def setting_names(run_dir: Path, order: list[str] | None = None) -> list[str]:
+    """The settings in the token store, in the scan's order (first = the reference): ``order``
+    when the caller knows it (a scan finishing), else ``run.json``'s, else sorted."""
+    tokens = store.resolve_tokens_path(run_dir)
+    if "setting" not in store.open_parquet(tokens).schema_arrow.names:
+        return []
+    present = pq.read_table(tokens, columns=["setting"]).column("setting").unique().to_pylist()
+    if len(present) < 2:
+        return present
+    order = order or _recorded_order(run_dir) or sorted(present)
+    return [s for s in order if s in present] + [s for s in present if s not in order]
+
+
+def _recorded_order(run_dir: Path) -> list[str]:
+    """``run.json``'s settings ([] when missing or unreadable: it only orders the settings)."""
+    try:
+        data = store.read_json(run_dir / store.RUN_FILE)
+    except (OSError, ValueError):
+        return []
+    order = data.get("settings") if isinstance(data, dict) else None
+    return [str(s) for s in order] if isinstance(order, list) else []

@@ -11,27 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 from rich.console import Console, Group
 from rich.text import Text
 
 from mismatch_probe import store
 from mismatch_probe.report.compare import Entry, overlay_plots
+from mismatch_probe.report.context import setting_names
 from mismatch_probe.report.markdown import escape
 from mismatch_probe.report.sections import visible
-
-
-def setting_names(run_dir: Path, order: list[str] | None = None) -> list[str]:
-    """The settings in the token store, in the scan's order (first = the reference): ``order``
-    when the caller knows it (a scan finishing), else ``run.json``'s, else sorted."""
-    tokens = store.resolve_tokens_path(run_dir)
-    if "setting" not in store.open_parquet(tokens).schema_arrow.names:
-        return []
-    present = pq.read_table(tokens, columns=["setting"]).column("setting").unique().to_pylist()
-    if len(present) < 2:
-        return present
-    order = order or _run_json(run_dir).get("settings") or sorted(present)
-    return [s for s in order if s in present] + [s for s in present if s not in order]
 
 
 def select_settings(
