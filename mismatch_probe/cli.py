@@ -20,6 +20,7 @@ from mismatch_probe import interrupt
 from mismatch_probe.errors import ProbeError, printable
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
+    AcceptOpt,
     AllowDifferentOpt,
     AttributeOpt,
     BaselineOpt,
@@ -105,14 +106,18 @@ def metrics_command(
 
     from mismatch_probe.metrics import compute_metrics
     from mismatch_probe.metrics.steps import resolve_step
+    from mismatch_probe.report.integrity import integrity_json, integrity_text, run_integrity
     from mismatch_probe.report.metrics_table import render_metrics
     from mismatch_probe.store import resolve_tokens_path
 
     number = None if step is None else resolve_step(resolve_tokens_path(path), step)
+    integrity = run_integrity(path)
     result = compute_metrics(path, metrics_config, setting=setting, step=number)
     if json_output:
-        print(json.dumps(result.flat(), allow_nan=False))
+        data = {"integrity": integrity_json(integrity, number), **result.flat()}
+        print(json.dumps(data, allow_nan=False))
     else:
+        _stdout_console().print(integrity_text(integrity, number))
         render_metrics(result, _stdout_console())
 
 
@@ -256,9 +261,11 @@ def check(
     significance: SignificanceOpt = 0.95,
     allow_different: AllowDifferentOpt = False,
     step: StepOpt = None,
+    accept: AcceptOpt = None,
 ) -> None:
-    """Check metric bounds, and growth over a baseline run (for CI): exit 0 when all hold,
-    1 when any fails, 2 on bad usage or runs that are not comparable."""
+    """Check data integrity, metric bounds, and growth over a baseline run (for CI): exit 0
+    when all hold, 1 when any fails (an integrity error not accepted with --accept included),
+    2 on bad usage or runs that are not comparable."""
     from mismatch_probe.report.baseline import render_gate, run_gate
 
     gate = run_gate(
@@ -270,6 +277,7 @@ def check(
         significance,
         allow_different,
         step,
+        accept=tuple(accept or ()),
     )
     render_gate(gate, _stdout_console())
     if not gate.passed:

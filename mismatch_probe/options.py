@@ -66,7 +66,12 @@ SettingOpt = Annotated[
 ]
 
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one flat JSON object (spec names) instead of tables.")
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON object instead of tables: 'integrity' (the data-integrity "
+        "findings) first, then the metrics by their spec names.",
+    ),
 ]
 
 RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by probe scan.")]
@@ -134,8 +139,17 @@ AllowDifferentOpt = Annotated[
     bool,
     typer.Option(
         "--allow-different",
-        help="Gate against a baseline that differs in model config, prompts or sampling "
-        "(otherwise exit 2 saying what differs).",
+        help="Gate against a baseline that differs in run kind (scan or ingested format), "
+        "model config, prompts or sampling (otherwise exit 2 saying what differs).",
+    ),
+]
+
+AcceptOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--accept",
+        help="CHECK: accept a known data-integrity error (e.g. placeholder_logprob) instead of "
+        "failing on it; repeatable.",
     ),
 ]
 

@@ -43,7 +43,8 @@ def table_rows(markdown: str, first_cell: str) -> list[list[str]]:
 
 def test_every_file_exists_and_every_plot_is_a_small_png(rendered) -> None:
     run, paths = rendered
-    assert set(paths) == {"metrics", "report", "html"} | {f"plot_{name}" for name in PLOTS}
+    expected = {"metrics", "integrity", "report", "html"} | {f"plot_{name}" for name in PLOTS}
+    assert set(paths) == expected
     for name in PLOTS:
         path = paths[f"plot_{name}"]
         assert path == run / "plots" / f"{name}.png"

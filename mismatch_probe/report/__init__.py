@@ -56,6 +56,9 @@ def load_report(
         computed: setting name -> ``MetricsResult.to_json_dict()`` the caller already has (the
             scan's, default config): used instead of computing them again.
     """
+    from dataclasses import replace
+
+    from mismatch_probe.report.integrity import run_integrity
     from mismatch_probe.report.settings import setting_entries, setting_names
 
     run_dir = Path(run_dir)
@@ -69,19 +72,22 @@ def load_report(
     given = dict(computed or {})
     first = given.get(names[0]) if names else None
     ctx = load_run(run_dir, metrics_config, reference, data=first)
+    ctx = replace(ctx, integrity=run_integrity(run_dir, ctx.run))  # recomputed from the store
     return ctx, setting_entries(run_dir, metrics_config, given)
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
-    """Write ``metrics.json``, ``plots/<name>.png`` (the routing plots too, for an MoE run),
-    ``report.md`` and ``report.html`` (the same report in one self-contained file) of a loaded
-    run; with ``entries`` (the settings of a matrix run) the report ends with them side by side.
+    """Write ``integrity.json`` (when ``ctx`` has the findings), ``metrics.json``,
+    ``plots/<name>.png`` (the routing plots too, for an MoE run), ``report.md`` and
+    ``report.html`` (the same report in one self-contained file) of a loaded run; with
+    ``entries`` (the settings of a matrix run) the report ends with them side by side.
 
     Returns:
-        ``{"metrics": ..., "report": ..., "html": ..., "plot_<name>": ...}`` paths.
+        ``{"metrics": ..., "integrity": ..., "report": ..., "html": ..., "plot_<name>": ...}``
     """
     from mismatch_probe.report import attribution
     from mismatch_probe.report.html import write_html
+    from mismatch_probe.report.integrity import write_integrity
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
@@ -90,6 +96,8 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 
     run_dir = store.writable_dir(ctx.run_dir, "run directory")
     paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
+    if ctx.integrity is not None:
+        paths["integrity"] = write_integrity(run_dir, ctx.integrity)
     store.write_json(paths["metrics"], ctx.json_dict())
     plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
     extra_plots = write_routing_plots(run_dir)

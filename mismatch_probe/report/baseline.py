@@ -20,14 +20,16 @@ compared point to point.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
+from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics.integrity import CHECKS, Finding, Integrity, errors
 from mismatch_probe.report import bootstrap
 from mismatch_probe.report.check import (
     Bound,
@@ -96,10 +98,24 @@ def parse_increase(spec: str) -> Increase:
     return Increase(name, kind, amount)
 
 
+def run_kind(run: dict[str, Any]) -> str:
+    """``scan``, or ``ingest of <format>`` (a run without ``kind`` was written by a scan)."""
+    kind = str(run.get("kind") or "scan")
+    source = _lookup(run, ("source", "format"))
+    return kind if source is None else f"{kind} of {source}"
+
+
 def differences(head: dict[str, Any], base: dict[str, Any]) -> list[str]:
-    """One line per ``COMPARABLE`` field recorded by both runs with different values."""
+    """One line per ``COMPARABLE`` field recorded by both runs with different values, after
+    the run kind (a scan against an ingested run, one ingested format against another), which
+    is always compared."""
     hashed = all(_lookup(run, ("prompts", "sha256")) is not None for run in (head, base))
-    lines = []
+    kinds = [run_kind(run) for run in (head, base)]
+    lines = (
+        []
+        if kinds[0] == kinds[1]
+        else [f"run kind differs (head: {kinds[0]}; baseline: {kinds[1]})"]
+    )
     for what, path in COMPARABLE:
         values = [_lookup(run, path) for run in (head, base)]
         if what == "prompts file":
@@ -201,11 +217,21 @@ class Gate:
     increases: tuple[IncreaseResult, ...]
     differences: tuple[str, ...] = ()
     baseline: Path | None = None
+    integrity: Integrity | None = None  # the run's data-integrity findings
+    step: int | None = None  # the training step checked (--step), None for the whole run
+    accepted: tuple[str, ...] = ()  # integrity checks accepted with --accept
+
+    @property
+    def integrity_errors(self) -> list[Finding]:
+        """The error findings (of ``step``) not accepted."""
+        if self.integrity is None:
+            return []
+        return errors(self.integrity.of_step(self.step), self.accepted)
 
     @property
     def passed(self) -> bool:
         results: list[BoundResult | IncreaseResult] = [*self.bounds, *self.increases]
-        return all(r.passed for r in results)
+        return all(r.passed for r in results) and not self.integrity_errors
 
 
 def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
@@ -224,14 +250,21 @@ def run_gate(
     level: float = 0.95,
     allow_different: bool = False,
     step: str | None = None,
+    accept: tuple[str, ...] = (),
 ) -> Gate:
-    """Parse and evaluate every bound of ``probe check`` (see the module docstring).
+    """Parse and evaluate every bound of ``probe check`` (see the module docstring), after the
+    run's data integrity (of one step with ``step``): an error finding fails the gate unless
+    its check is in ``accept``. A run whose metrics cannot be computed (a NaN log-prob) still
+    gets its integrity verdict.
 
     Raises:
         ProbeError: bad usage (no bound, a bound unparsable or naming an unknown metric,
-            ``--max-increase`` without ``--baseline`` or the reverse, a level outside (0, 1)),
-            runs that are not comparable, an unreadable run.
+            ``--max-increase`` without ``--baseline`` or the reverse, a level outside (0, 1),
+            ``--accept`` of an unknown check), runs that are not comparable, an unreadable run.
     """
+    for name in accept:
+        if name not in CHECKS:
+            raise ProbeError(f"--accept {name}: not an integrity check ({', '.join(CHECKS)})")
     parsed = [parse_increase(s) for s in increases or []]
     if parsed and baseline is None:
         raise ProbeError("--max-increase needs --baseline BASE_RUN_DIR")
@@ -242,12 +275,19 @@ def run_gate(
     bounds: tuple[Bound, ...] = ()
     if maxima or minima or not parsed:
         bounds = parse_bounds(maxima, minima)
-    head = load_run(run_dir)
     if step is not None and baseline is not None:
         raise ProbeError("--step checks one training step's bounds; it does not take --baseline")
-    results = evaluate_bounds(bounds, _step_metrics(run_dir, step) if step else head.metrics)
+    gate = _integrity_gate(Path(run_dir), step, accept)
+    try:
+        head = load_run(run_dir)
+    except ProbeError:
+        if gate.integrity_errors:  # e.g. NaN log-probs: no metrics, but the finding says why
+            return gate
+        raise
+    metrics = _step_metrics(run_dir, step) if step else head.metrics
+    results = evaluate_bounds(bounds, metrics)
     if baseline is None:
-        return Gate(tuple(results), ())
+        return replace(gate, bounds=tuple(results))
     base = load_run(baseline)
     differences = check_comparable(head, base, allow_different)
     checked = []
@@ -256,7 +296,25 @@ def run_gate(
         value, base_value = head.metrics[bound.metric], base.metrics[bound.metric]
         extra = _intervals(Path(run_dir), Path(baseline), bound, level)
         checked.append(IncreaseResult(bound, value, base_value, level, **extra))
-    return Gate(tuple(results), tuple(checked), differences, Path(baseline))
+    return replace(
+        gate,
+        bounds=tuple(results),
+        increases=tuple(checked),
+        differences=differences,
+        baseline=Path(baseline),
+    )
+
+
+def _integrity_gate(run_dir: Path, step: str | None, accept: tuple[str, ...]) -> Gate:
+    """A gate with no bound yet: the run's integrity findings, recomputed from its store."""
+    from mismatch_probe.metrics.steps import resolve_step
+    from mismatch_probe.report.integrity import run_integrity
+
+    if not run_dir.is_dir():
+        raise ProbeError(f"{run_dir} is not a run directory")
+    tokens = store.resolve_tokens_path(run_dir)
+    number = None if step is None else resolve_step(tokens, step)
+    return Gate((), (), integrity=run_integrity(run_dir), step=number, accepted=accept)
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -288,7 +346,12 @@ def increase_line(res: IncreaseResult) -> Text:
 
 
 def render_gate(gate: Gate, console: Console) -> None:
-    """The baseline and what differs (if anything), one line per bound, a summary line."""
+    """The data integrity first, the baseline and what differs (if anything), one line per
+    bound, a summary line naming the integrity errors that fail the gate."""
+    from mismatch_probe.report.integrity import integrity_text
+
+    if gate.integrity is not None:
+        console.print(integrity_text(gate.integrity, gate.step, gate.accepted), highlight=False)
     if gate.baseline is not None:
         console.print(f"baseline {gate.baseline}", highlight=False, soft_wrap=True)
     for line in gate.differences:
@@ -300,4 +363,9 @@ def render_gate(gate: Gate, console: Console) -> None:
     results: list[BoundResult | IncreaseResult] = [*gate.bounds, *gate.increases]
     failed = sum(not r.passed for r in results)
     summary = f"{failed} of {len(results)} bounds failed" if failed else "all bounds hold"
+    if not results:
+        summary = "no bound evaluated (the metrics cannot be computed)"
+    if gate.integrity_errors:
+        names = ", ".join(dict.fromkeys(f.check for f in gate.integrity_errors))
+        summary += f"; integrity error: {names} (--accept CHECK if it is known and harmless)"
     console.print(summary, highlight=False)

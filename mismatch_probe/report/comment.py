@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from mismatch_probe.report.compare import Comparison
 from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.integrity import integrity_markdown
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
     all_metrics_section,
@@ -174,6 +175,14 @@ def _tail(ctx: RunContext) -> list[tuple[str, list[str]]]:
     return parts
 
 
+def _integrity_part(ctx: RunContext) -> list[tuple[str, list[str]]]:
+    """The data-integrity section (first after the header), when the findings are loaded."""
+    lines = integrity_markdown(ctx.integrity)
+    if lines and lines[0].startswith("#"):
+        lines = titled("Data integrity", lines)
+    return [("Data integrity", lines)] if lines else []
+
+
 def run_comment(ctx: RunContext) -> str:
     """The comment of one run (``probe report RUN --format pr-comment``)."""
     model = escape(ctx.run.get("model", {}).get("name", ctx.label))
@@ -182,6 +191,7 @@ def run_comment(ctx: RunContext) -> str:
     head += [verdict_counts([v.status for v in verdicts]), ""]
     parts = [
         ("Header", head),
+        *_integrity_part(ctx),
         ("Verdicts", titled("Verdicts", verdict_section(verdicts))),
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
         *_tail(ctx),

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
+from mismatch_probe.metrics.integrity import Integrity
 
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
@@ -64,6 +65,8 @@ class RunContext:
         worst: the worst tokens, largest ``|r|`` first, with their text.
         setting: the ``setting`` the metrics cover when one was chosen (a store may hold
             several); None for the whole store.
+        integrity: the data-integrity findings of the whole run (``load_report`` computes
+            them; None when not loaded).
     """
 
     run_dir: Path
@@ -73,6 +76,7 @@ class RunContext:
     curves: dict[str, Any]
     worst: tuple[WorstToken, ...]
     setting: str | None = None
+    integrity: Integrity | None = None
 
     @property
     def tokens_path(self) -> Path:

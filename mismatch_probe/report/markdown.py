@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.integrity import integrity_markdown
 from mismatch_probe.report.sections import (
     KEY_METRICS,
     fmt,
@@ -137,7 +138,8 @@ def all_metrics_section(metrics: dict[str, float]) -> list[str]:
 def render_markdown(ctx: RunContext, plots: dict[str, tuple[Path, str]]) -> str:
     """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title)."""
     title = f"# Mismatch report: {escape(ctx.run.get('model', {}).get('name', ctx.label))}"
-    lines = [title, "", *settings_section(ctx), *verdict_section(evaluate(ctx.metrics))]
+    lines = [title, "", *integrity_markdown(ctx.integrity), *settings_section(ctx)]
+    lines += verdict_section(evaluate(ctx.metrics))
     lines += key_metrics_section(ctx.metrics) + presets_section(ctx)
     lines += plots_section(plots, ctx.run_dir) + worst_section(ctx.worst)
     lines += all_metrics_section(ctx.metrics)

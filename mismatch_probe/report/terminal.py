@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.integrity import integrity_text
 from mismatch_probe.report.sections import (
     fmt,
     metric_groups,
@@ -164,7 +165,8 @@ def worst_table(worst: tuple[WorstToken, ...]) -> Table:
 def report_renderables(ctx: RunContext) -> list[RenderableType]:
     """Every part of the terminal report, in order."""
     tables = [metric_table(title, keys, ctx.metrics) for title, keys in metric_groups(ctx.metrics)]
-    parts: list[RenderableType] = [header(ctx), Text(), verdict_table(evaluate(ctx.metrics))]
+    parts: list[RenderableType] = [integrity_text(ctx.integrity)] if ctx.integrity else []
+    parts += [header(ctx), Text(), verdict_table(evaluate(ctx.metrics))]
     parts += [Text(), Columns(tables)]
     presets = preset_table(ctx)
     if presets is not None:
