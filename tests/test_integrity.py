@@ -97,7 +97,7 @@ def test_shifted_by_one_found(tmp_path: Path) -> None:
         trains.append([*rollout[1:], -1.0])  # train[t] = rollout[t+1]
         rollouts.append(rollout)
     found = compute_integrity(write_store(tmp_path / "t.parquet", trains, rollouts))
-    assert checks(found) == {"shifted_by_one": (ERROR, 120, 4)}
+    assert checks(found) == {"shifted_by_one": (ERROR, 112, 4)}
     assert "shifted by +1 token" in found.findings[0].message
 
 
@@ -111,7 +111,7 @@ def test_shifted_counts_only_the_sequences_that_are_shifted(tmp_path: Path) -> N
     good_train, good_rollout = drift(40, seed=3)
     path = write_store(tmp_path / "t.parquet", [*trains, good_train], [*rollouts, good_rollout])
     found = compute_integrity(path)
-    assert checks(found)["shifted_by_one"] == (ERROR, 160, 3)
+    assert checks(found)["shifted_by_one"] == (ERROR, 152, 3)
     assert "shifted by -1 token" in found.findings[0].message
 
 
@@ -119,6 +119,15 @@ def test_aligned_sides_are_not_shifted(tmp_path: Path) -> None:
     """Even large drift (L(0) well above 0.05) is not a shift when neighbours match worse."""
     train, rollout = drift(200, scale=0.3)
     assert compute_integrity(write_store(tmp_path / "t.parquet", [train], [rollout])).findings == ()
+
+
+def test_an_outlying_first_token_is_not_a_shift(tmp_path: Path) -> None:
+    """A constant rollout side and one large first-token difference per sequence: L(0) over
+    every token would be well above L(-1) over the pairs (which miss the first train token);
+    over the same interior tokens, the three are equal."""
+    train = [[-0.5, *([-0.7] * 9)] for _ in range(3)]
+    rollout = [[-3.0, *([-0.7] * 9)] for _ in range(3)]
+    assert compute_integrity(write_store(tmp_path / "t.parquet", train, rollout)).findings == ()
 
 
 def test_trainer_copies_rollout_on_an_ingested_run(tmp_path: Path) -> None:
@@ -221,4 +230,4 @@ def test_batches_do_not_change_the_result(tmp_path: Path) -> None:
     many = compute_integrity(
         write_store(tmp_path / "b.parquet", trains, rollouts, row_group_size=7)
     )
-    assert one == many and checks(one)["shifted_by_one"] == (ERROR, 150, 5)
+    assert one == many and checks(one)["shifted_by_one"] == (ERROR, 138, 5)

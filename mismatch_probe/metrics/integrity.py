@@ -10,7 +10,10 @@ memory bounded by a batch plus fixed-size counts per training step):
 * ``shifted_by_one``: ``L(k)`` = mean ``|train_lp[t] - rollout_lp[t+k]|`` over pairs of valid
   tokens ``t, t+k`` of one sequence, pooled, for k in {-1, 0, +1}; an error when
   ``min(L(-1), L(+1)) < 0.5 * L(0)`` and ``L(0) > 0.05``; ``sequences`` counts the sequences for
-  which the same test holds on their own pairs;
+  which the same test holds on their own pairs. The three means run over the same training
+  tokens t (the interior ones: those whose t-1 and t+1 are valid tokens of the sequence), so that
+  one outlying first or last token, counted in ``L(0)`` but missing from one of ``L(+-1)``,
+  cannot look like a shift; ``tokens`` is the number of such t;
 * ``trainer_copies_rollout``: every valid token bitwise identical, on at least 100 tokens of an
   ingested run: a warning (verl's bypass mode copies ``rollout_log_probs`` into
   ``old_log_probs``);
@@ -190,26 +193,27 @@ class IntegrityAccumulator:
 
     def _shift(self, seg: np.ndarray, pos: np.ndarray, train: np.ndarray, rollout: np.ndarray,
                finite: np.ndarray) -> None:  # fmt: skip
-        """``|train[t] - rollout[t+k]|`` summed per sequence for k in {-1, 0, +1}."""
+        """``|train[t] - rollout[t+k]|`` summed per sequence for k in {-1, 0, +1}, over the
+        tokens t whose neighbours t-1 and t+1 are valid tokens of the same sequence (the
+        interior tokens)."""
         t = np.maximum(np.where(finite, train, 0.0), LOGPROB_FLOOR)
         r = np.maximum(np.where(finite, rollout, 0.0), LOGPROB_FLOOR)
         nseg = int(seg.max()) + 1 if len(seg) else 0
         pair = finite[:-1] & finite[1:] & (seg[:-1] == seg[1:]) & (pos[1:] == pos[:-1] + 1)
-        diffs = {  # k -> (absolute differences, the sequence of each pair)
-            0: (np.abs(t - r)[finite], seg[finite]),
-            1: (np.abs(t[:-1] - r[1:])[pair], seg[:-1][pair]),  # train[t] vs rollout[t+1]
-            -1: (np.abs(t[1:] - r[:-1])[pair], seg[:-1][pair]),  # train[t] vs rollout[t-1]
+        mid = np.flatnonzero(pair[:-1] & pair[1:]) + 1  # rows t with both neighbours paired
+        diffs = {  # k -> absolute differences at the rows ``mid``
+            0: np.abs(t[mid] - r[mid]),
+            1: np.abs(t[mid] - r[mid + 1]),  # train[t] vs rollout[t+1]
+            -1: np.abs(t[mid] - r[mid - 1]),  # train[t] vs rollout[t-1]
         }
-        sums, ns = {}, {}
-        for k, (d, where) in diffs.items():
+        n = np.bincount(seg[mid], minlength=nseg)
+        sums = {}
+        for k, d in diffs.items():
             self.shift_sum[k] += float(d.sum())
             self.shift_n[k] += len(d)
-            sums[k] = np.bincount(where, weights=d, minlength=nseg)
-            ns[k] = np.bincount(where, minlength=nseg)
+            sums[k] = np.bincount(seg[mid], weights=d, minlength=nseg)
         with np.errstate(invalid="ignore", divide="ignore"):
-            mean = {k: sums[k] / ns[k] for k in SHIFTS}
-            ok = (ns[-1] > 0) & (ns[1] > 0) & (ns[0] > 0)
-            held = ok & shifted(mean[-1], mean[0], mean[1])
+            held = (n > 0) & shifted(*(sums[k] / n for k in SHIFTS))
         self.seqs["shifted"] += int(held.sum())
 
     def shift_means(self) -> dict[int, float]:

@@ -175,23 +175,20 @@ def _tail(ctx: RunContext) -> list[tuple[str, list[str]]]:
     return parts
 
 
-def _integrity_part(ctx: RunContext) -> list[tuple[str, list[str]]]:
-    """The data-integrity section (first after the header), when the findings are loaded."""
+def _integrity_lines(ctx: RunContext) -> list[str]:
+    """The data-integrity section (first after the title), when the findings are loaded."""
     lines = integrity_markdown(ctx.integrity)
-    if lines and lines[0].startswith("#"):
-        lines = titled("Data integrity", lines)
-    return [("Data integrity", lines)] if lines else []
+    return titled("Data integrity", lines) if lines and lines[0].startswith("#") else lines
 
 
 def run_comment(ctx: RunContext) -> str:
     """The comment of one run (``probe report RUN --format pr-comment``)."""
     model = escape(ctx.run.get("model", {}).get("name", ctx.label))
     verdicts = evaluate(ctx.metrics)
-    head = _header(ctx, f"Mismatch report: {model}")
+    head = _header(ctx, f"Mismatch report: {model}") + _integrity_lines(ctx)
     head += [verdict_counts([v.status for v in verdicts]), ""]
     parts = [
         ("Header", head),
-        *_integrity_part(ctx),
         ("Verdicts", titled("Verdicts", verdict_section(verdicts))),
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
         *_tail(ctx),

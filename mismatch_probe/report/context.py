@@ -228,8 +228,9 @@ def read_token_probs(path: Path, setting: str | None = None) -> TokenProbs:
     cols = ["rollout_logprob", "train_logprob"] + (["support_flip"] if has_flip else [])
     where = [("setting", "=", setting)] if setting is not None else None
     table = pq.read_table(path, columns=cols, filters=where).drop_null()
-    rollout = np.exp(table.column("rollout_logprob").to_numpy().astype(np.float64))
-    train = np.exp(table.column("train_logprob").to_numpy().astype(np.float64))
+    # exp(min(lp, 0)): a (noisy or bogus) positive log-prob is drawn at 1, never above
+    rollout = np.exp(np.minimum(table.column("rollout_logprob").to_numpy().astype(np.float64), 0))
+    train = np.exp(np.minimum(table.column("train_logprob").to_numpy().astype(np.float64), 0))
     flip = (
         table.column("support_flip").to_numpy(zero_copy_only=False).astype(bool)
         if has_flip

@@ -22,10 +22,7 @@ from mismatch_probe.metrics.integrity import ERROR, Finding, Integrity, compute_
 from mismatch_probe.report.sections import visible
 
 INTEGRITY_FILE = store.INTEGRITY_FILE
-CLEAN = (
-    "Data integrity: clean (no placeholder, shifted, copied, positive or non-finite log-prob; "
-    "no mask left unapplied)"
-)
+CLEAN = "Data integrity: clean (no placeholder, shifted, copied, positive or non-finite log-prob)"
 MARK = {ERROR: ("❌", "✘", "bold red"), "warning": ("⚠️", "⚠", "yellow")}  # md, terminal, style
 
 

@@ -22,6 +22,7 @@ from mismatch_probe.report.sections import (
     fmt,
     metric_groups,
     preset_rows,
+    prob_text,
     settings_rows,
     show_blank,
     visible,
@@ -155,8 +156,8 @@ def worst_table(worst: tuple[WorstToken, ...]) -> Table:
             f"{tok.seq_id}:{tok.position}",
             _context(tok),
             f"{tok.log_ratio:+.3g}",
-            f"{math.exp(tok.rollout_logprob):.3g}",
-            f"{math.exp(tok.train_logprob):.3g}",
+            prob_text(tok.rollout_logprob, 3),
+            prob_text(tok.train_logprob, 3),
             Text(tok.cause, style=CAUSE_STYLE[tok.cause]),
         )
     return table
