@@ -37,7 +37,7 @@ from mismatch_probe.pipeline.tables import sequence_table, token_table
 from mismatch_probe.progress import make_progress, vllm_progress
 from mismatch_probe.prompts import default_prompts_path, encode_prompts, load_prompts
 from mismatch_probe.settings import RolloutSetting, Setting
-from mismatch_probe.training import rescore
+from mismatch_probe.training import devices, rescore
 
 if TYPE_CHECKING:
     from mismatch_probe.metrics import MetricsResult
@@ -66,10 +66,13 @@ def prepare(cfg: ScanConfig) -> Prepared:
     with process.importing():
         from transformers import AutoConfig, AutoTokenizer
 
+        if cfg.ray is None:  # on Ray, each worker checks its own devices (run_shard)
+            devices.check_available(cfg.train_device_map)
         process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
     attribution.check(cfg)
     invariant = batch_invariant.check(cfg.batch_invariant)
     model_dir = models.resolve_model(cfg.model)
+    attribution.check_stale(cfg.stale_model, model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -148,7 +151,8 @@ def check_out(cfg: ScanConfig, out: Path) -> Path:
     """The output directory, created and proven writable before any engine starts (a scan
     must not run for minutes to fail at its first write). One that holds a run already is
     refused unless ``cfg.force``: its files would be replaced."""
-    held = [name for name in (store.RUN_FILE, store.TOKENS_FILE) if (out / name).exists()]
+    names = (store.RUN_FILE, store.TOKENS_FILE, store.TOKENS_DIR)  # TOKENS_DIR: a sharded run
+    held = [name for name in names if (out / name).exists()]
     if held and not cfg.force:
         raise ProbeError(
             f"--out {out} holds a run already ({held[0]}); choose another directory, or give "

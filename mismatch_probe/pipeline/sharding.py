@@ -27,10 +27,11 @@ import shutil
 import socket
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import store
+from mismatch_probe import interrupt, store
 from mismatch_probe.engine import process
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.pipeline import scan
@@ -138,6 +139,9 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
 
     tokens_dir, seq_dir = Path(out) / store.TOKENS_DIR, Path(out) / store.SEQUENCES_DIR
     routing_dir = Path(out) / store.ROUTING_DIR
+    from mismatch_probe.training import devices
+
+    devices.check_available(cfg.train_device_map)  # this worker's devices, before its engine
     _reset(tokens_dir, seq_dir, routing_dir, shard)
     timer = scan.Timer()
     with timer("prepare"):
@@ -201,6 +205,8 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
 
     from mismatch_probe.pipeline import raycluster
 
+    if cfg.out is not None and not cfg.resume:  # the rule of an unsharded scan, checked first
+        scan.check_out(cfg, cfg.out)
     timer = scan.Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg)
@@ -212,6 +218,7 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
             out.mkdir(parents=True, exist_ok=True)
             done = start_or_resume(out, cfg, prep, plan)
         pending = [k for k in range(len(plan)) if k not in done]
+        interrupt.resumable(partial(kept_shards, out, len(plan)))
         if done:
             console.print(f"resume: shard(s) {sorted(done)} finished, running {pending}")
         # Workers may start elsewhere (another directory, another node): absolute paths only.
@@ -230,6 +237,16 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
                     run_shard(worker_cfg, k, plan[k], str(out.resolve()))
                     console.print(f"shard {k} of {len(plan)} done", highlight=False)
     return _finish(cfg, prep, out, timer)
+
+
+def kept_shards(out: Path, count: int) -> str:
+    """What an interrupted sharded scan keeps: its finished shards, and how to continue."""
+    done = sorted(dataset.done_shards(out / store.TOKENS_DIR))
+    resume = "rerun the same command with --resume to continue"
+    if not done:
+        return f"no shard finished yet (the plan is in {out / PLAN_FILE}); {resume}"
+    listed = ", ".join(str(k) for k in done)
+    return f"finished shard(s) {listed} of {count} kept in {out}; {resume} with the others"
 
 
 def _finish(cfg: ScanConfig, prep: Any, out: Path, timer: Any) -> Any:
