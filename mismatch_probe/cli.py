@@ -47,6 +47,7 @@ from mismatch_probe.options import (
     PromptsOpt,
     QuantizationOpt,
     RayOpt,
+    RayTimeoutOpt,
     ResumeOpt,
     RolloutDtypeOpt,
     RoutingReplayOpt,
@@ -318,6 +319,7 @@ def scan(
     train_device_map: TrainDeviceMapOpt = SCAN.train_device_map,
     shards: ShardsOpt = SCAN.shards,
     ray: RayOpt = SCAN.ray,
+    ray_timeout: RayTimeoutOpt = SCAN.ray_timeout,
     resume: ResumeOpt = SCAN.resume,
     verbose: VerboseOpt = SCAN.verbose,
 ) -> None:
@@ -365,6 +367,7 @@ def scan(
         train_device_map=train_device_map,
         shards=shards,
         ray=ray,
+        ray_timeout=ray_timeout,
         resume=resume,
         verbose=verbose,
     )

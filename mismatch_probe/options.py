@@ -413,6 +413,14 @@ RayOpt = Annotated[
     ),
 ]
 
+RayTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--ray-timeout",
+        help="Seconds to wait for a Ray cluster (--ray ADDRESS) to answer before giving up.",
+    ),
+]
+
 ResumeOpt = Annotated[
     bool,
     typer.Option(

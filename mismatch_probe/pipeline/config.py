@@ -32,6 +32,7 @@ FLOAT_OPTIONS = {
     "--temperature": lambda cfg: cfg.sampling.temperature,
     "--top-p": lambda cfg: cfg.sampling.top_p,
     "--flip-eps": lambda cfg: cfg.flip_eps,
+    "--ray-timeout": lambda cfg: cfg.ray_timeout,
 }
 
 
@@ -73,6 +74,7 @@ class ScanConfig:
     train_device_map: str | None = None  # devices.DEVICE_MAPS; None: devices.default_device_map
     shards: int = 1  # > 1: a sharded scan (sharding.py), one part of the store per shard
     ray: str | None = None  # run the shards as Ray tasks: "local" or a cluster address
+    ray_timeout: float = 10.0  # seconds a Ray cluster has to answer (--ray ADDRESS)
     resume: bool = False  # sharded: skip the finished shards of the same --out
     verbose: bool = False  # the engines' logs on the terminal instead of a log file
 
@@ -101,6 +103,7 @@ class ScanConfig:
             (self.flip_eps is None or self.flip_eps >= 0, "--flip-eps must be >= 0"),
             (s.logprobs_mode in ("processed", "raw"), "--logprobs-mode: processed or raw"),
             (self.shards >= 1, f"--shards must be >= 1, got {self.shards}"),
+            (self.ray_timeout > 0, f"--ray-timeout must be > 0 seconds, got {self.ray_timeout}"),
             (not self.resume or self.out is not None, "--resume needs the --out of the run"),
             (not self.resume or self.sharded, "--resume applies to a sharded scan (--shards)"),
         ]

@@ -41,7 +41,7 @@ from mismatch_probe.store import dataset
 
 PLAN_FILE = "shards.json"
 RUNNING = "_RUNNING"  # in tokens/shard=K while the shard runs: {"pid", "host", "started"}
-NOT_RECORDED = ("ray", "resume")  # options that may change between a run and its --resume
+NOT_RECORDED = ("ray", "ray_timeout", "resume")  # may change between a run and its --resume
 
 
 def plan_shards(num_prompts: int, shards: int) -> list[tuple[int, int]]:
@@ -213,7 +213,11 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
         out = cfg.out_dir(prep.model_dir.name)
         plan = plan_shards(len(prep.prompts), cfg.shards)
     # Ray is joined before anything in --out is touched: a wrong address loses nothing.
-    with raycluster.connected(cfg.ray) if cfg.ray is not None else nullcontext():
+    ray = cfg.ray
+    joined = (
+        nullcontext() if ray is None else raycluster.connected(ray, cfg.ray_timeout, cfg.verbose)
+    )
+    with joined:
         with timer("prepare"):
             out.mkdir(parents=True, exist_ok=True)
             done = start_or_resume(out, cfg, prep, plan)
