@@ -313,3 +313,30 @@ def test_bare_urls_from_model_text_are_not_links(tmp_path: Path) -> None:
         for live in ("http://", "https://", "www.", "mailto:"):
             assert live not in text.lower(), (name, live)  # ... but no autolink can form
     assert escape("see http://a.b and WWW.c.d") == "see http:\u200b//a.b and WWW\u200b.c.d"
+
+
+# --- probe compare ------------------------------------------------------------------------------
+
+
+def test_compare_shows_each_runs_integrity_first(tmp_path: Path) -> None:
+    from mismatch_probe.report.comment import comparison_comment
+    from mismatch_probe.report.compare import load_comparison, write_comparison
+
+    clean = uniform_run(tmp_path / "main", 0.01, [4, 6])
+    bad = positive_run(tmp_path / "pr")
+    comparison = load_comparison([clean, bad])
+    paths = write_comparison(comparison, tmp_path / "cmp")
+    labels = [e.label for e in comparison.entries]
+    md = paths["report"].read_text().splitlines()
+    assert md[2:7] == [
+        "## Data integrity",
+        "",
+        f"- {escape(labels[0])}: clean",
+        f"- {escape(labels[1])}: 1 error",
+        f"  - ❌ **error** `positive_logprob` (1 tokens, 1 sequences): {escape(POSITIVE)}",
+    ]
+    comment = comparison_comment(comparison)
+    assert comment.index("#### Data integrity") < comment.index("#### Verdicts")
+    both_clean = load_comparison([clean, uniform_run(tmp_path / "b", 0.02, [4, 6])])
+    text = comparison_comment(both_clean)
+    assert "\n✅ Data integrity: clean in every run (" in text and "#### Data integrity" not in text

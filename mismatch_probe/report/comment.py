@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from mismatch_probe.report.compare import Comparison
 from mismatch_probe.report.context import RunContext, WorstToken
-from mismatch_probe.report.integrity import integrity_markdown
+from mismatch_probe.report.integrity import integrity_markdown, runs_markdown
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
     all_metrics_section,
@@ -250,6 +250,10 @@ def comparison_comment(comparison: Comparison) -> str:
     model = escape(head_ctx.run.get("model", {}).get("name", head_ctx.label))
     title = f"Mismatch: {escape(labels[-1])} vs {escape(labels[0])} ({model})"
     head = _header(head_ctx, title)
+    integrity = runs_markdown([(lab, r.integrity) for lab, r in zip(labels, runs, strict=True)])
+    head += (
+        titled("Data integrity", integrity) if integrity[:1] == ["## Data integrity"] else integrity
+    )
     head += [f"> ⚠️ **The runs differ:** {escape(w)}" for w in comparison.warnings]
     head += [""] if comparison.warnings else []
     head += [verdict_counts([v.status for v in evaluate(head_ctx.metrics)]), ""]

@@ -10,7 +10,7 @@ which the reports print as a warning: such runs measure different things.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -146,7 +146,10 @@ def load_comparison(run_dirs: list[Path]) -> Comparison:
     """Load every run (its stored metrics); at least two are needed."""
     if len(run_dirs) < 2:
         raise ProbeError("compare needs at least two run directories")
+    from mismatch_probe.report.integrity import run_integrity
+
     runs = [load_run(d) for d in run_dirs]
+    runs = [replace(r, integrity=run_integrity(r.run_dir, r.run)) for r in runs]
     labels = unique_labels(runs)
     entries = tuple(Entry(lab, r.metrics, r.curves) for lab, r in zip(labels, runs, strict=True))
     warnings = tuple(run_differences(labels, [r.run for r in runs]))
@@ -184,9 +187,14 @@ def comparison_table(entries: list[Entry], rows: list[CompareRow]) -> Table:
 
 def render_comparison(comparison: Comparison, console: Console) -> None:
     """The warnings (if any) and the comparison table."""
-    parts: list[RenderableType] = [
-        Text(f"⚠ {visible(w)}", style="yellow") for w in comparison.warnings
-    ]
+    from mismatch_probe.report.integrity import runs_text
+
+    labels = [e.label for e in comparison.entries]
+    integrity = runs_text(
+        [(lab, r.integrity) for lab, r in zip(labels, comparison.runs, strict=True)]
+    )
+    parts: list[RenderableType] = [integrity] if integrity else []
+    parts += [Text(f"⚠ {visible(w)}", style="yellow") for w in comparison.warnings]
     parts.append(comparison_table(list(comparison.entries), comparison.rows))
     from mismatch_probe.report import attribution
 
@@ -219,7 +227,13 @@ def comparison_markdown(
         [escape(e.label), escape(str(r.run_dir))]
         for e, r in zip(entries, comparison.runs, strict=True)
     ]
-    lines = ["# Mismatch comparison", "", *table(["run", "directory"], runs), ""]
+    from mismatch_probe.report.integrity import runs_markdown
+
+    lines = ["# Mismatch comparison", ""]
+    lines += runs_markdown(
+        [(e.label, r.integrity) for e, r in zip(entries, comparison.runs, strict=True)]
+    )
+    lines += [*table(["run", "directory"], runs), ""]
     lines += [f"> **Warning:** {escape(w)}" for w in comparison.warnings]
     lines += [""] if comparison.warnings else []
     header = ["metric"]

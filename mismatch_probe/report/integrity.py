@@ -65,17 +65,19 @@ def _counts(f: Finding) -> str:
     return f" ({f.tokens:,} tokens, {f.sequences:,} sequences)"
 
 
+def tally(findings: tuple[Finding, ...]) -> str:
+    """``1 error, 2 warnings`` (``clean`` for none)."""
+    n_err = sum(f.severity == ERROR for f in findings)
+    counts = ((n_err, "error"), (len(findings) - n_err, "warning"))
+    return ", ".join(f"{n} {word}{'s' if n != 1 else ''}" for n, word in counts if n) or "clean"
+
+
 def summary(findings: tuple[Finding, ...], step: int | None = None) -> str:
     """``Data integrity: 1 error, 1 warning`` (``at step N``), or the clean line."""
     if not findings:
         return CLEAN if step is None else CLEAN.replace("integrity:", f"integrity at step {step}:")
-    n_err = sum(f.severity == ERROR for f in findings)
-    n_warn = len(findings) - n_err
-    parts = [
-        f"{n} {w}{'s' if n != 1 else ''}" for n, w in ((n_err, "error"), (n_warn, "warning")) if n
-    ]
     where = f" at step {step}" if step is not None else ""
-    return f"Data integrity{where}: {', '.join(parts)} (numbers below may not mean what they say)"
+    return f"Data integrity{where}: {tally(findings)} (numbers below may not mean what they say)"
 
 
 def applied_line(integrity: Integrity) -> str:
@@ -140,4 +142,53 @@ def integrity_text(
     applied = applied_line(integrity)
     if applied:
         text.append(f"\n  {visible(applied)}", style="dim")
+    return text
+
+
+# --- several runs (probe compare) ---------------------------------------------------------------
+
+CLEAN_EVERY_RUN = CLEAN.replace("Data integrity: clean", "Data integrity: clean in every run")
+
+
+def _per_run(labeled: list[tuple[str, Integrity | None]]) -> list[tuple[str, tuple[Finding, ...]]]:
+    return [(label, i.findings) for label, i in labeled if i is not None]
+
+
+def runs_markdown(labeled: list[tuple[str, Integrity | None]]) -> list[str]:
+    """Every run's findings (``probe compare``): one line when all are clean, else
+    ``## Data integrity`` with a bullet per run and one per finding under it."""
+    from mismatch_probe.report.markdown import escape
+
+    runs = _per_run(labeled)
+    if not runs:
+        return []
+    if not any(findings for _, findings in runs):
+        return [f"✅ {escape(CLEAN_EVERY_RUN)}", ""]
+    lines = ["## Data integrity", ""]
+    for label, findings in runs:
+        lines.append(f"- {escape(label)}: {tally(findings)}")
+        for f in findings:
+            mark = MARK.get(f.severity, MARK["warning"])[0]
+            body = f"{escape(_counts(f))}: {escape(f.message)}"
+            lines.append(f"  - {mark} **{f.severity}** `{f.check}`{body}")
+    return [*lines, ""]
+
+
+def runs_text(labeled: list[tuple[str, Integrity | None]]) -> Text:
+    """The terminal version of ``runs_markdown``."""
+    runs = _per_run(labeled)
+    if not runs:
+        return Text()
+    if not any(findings for _, findings in runs):
+        return Text(f"✔ {CLEAN_EVERY_RUN}", style="green")
+    text = Text("Data integrity", style="bold")
+    for label, findings in runs:
+        text.append(f"\n  {visible(label)}: ")
+        if not findings:
+            text.append("clean", style="green")
+        for f in findings:
+            _, mark, style = MARK.get(f.severity, MARK["warning"])
+            text.append(f"\n    {mark} {f.severity} ", style=style)
+            text.append(f"{f.check}{_counts(f)}: ", style="bold")
+            text.append(visible(f.message))
     return text
