@@ -340,3 +340,21 @@ def test_compare_shows_each_runs_integrity_first(tmp_path: Path) -> None:
     both_clean = load_comparison([clean, uniform_run(tmp_path / "b", 0.02, [4, 6])])
     text = comparison_comment(both_clean)
     assert "\n✅ Data integrity: clean in every run (" in text and "#### Data integrity" not in text
+
+
+@pytest.mark.parametrize("value", [5.0, 800.0])
+def test_ingest_of_positive_log_probs_reports_them(tmp_path: Path, value: float) -> None:
+    """Faults 7 and 11 through ``probe ingest``: a training log-prob of 5 (a 'probability' of
+    148) or 800 (math.exp overflowed in the report) is an integrity error, not a number."""
+    from mismatch_probe.ingest import IngestConfig, run_ingest
+    from tests.ingest_fixtures import synthetic_steps, write_prime_rl
+
+    data = synthetic_steps([1, 2], seqs=3)
+    data[2][1].train[0] = value
+    src = write_prime_rl(tmp_path / "src", data)
+    result = run_ingest(IngestConfig("prime-rl", src, tmp_path / "run"))
+    integrity = json.loads((result.out / "integrity.json").read_text())
+    assert [f["check"] for f in integrity["findings"]] == ["positive_logprob"]
+    assert integrity["steps"]["1"] == [] and len(integrity["steps"]["2"]) == 1
+    md = (result.out / store.REPORT_FILE).read_text()
+    assert md.splitlines()[2] == "## Data integrity" and f"log p {value:+.4g}" in md
