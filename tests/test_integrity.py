@@ -172,6 +172,20 @@ def test_nonfinite_logprob(tmp_path: Path) -> None:
     assert checks(found) == {"nonfinite_logprob": (ERROR, 3, 1)}
 
 
+def test_minus_inf_on_a_support_flip_is_not_nonfinite(tmp_path: Path) -> None:
+    """The scan's rescorer gives -inf to a sampled token outside the training side's top-k set
+    and flags it: a measurement. The same -inf unflagged is a finding."""
+    train, rollout = drift(20)
+    train[4] = -math.inf
+    path = write_store(tmp_path / "t.parquet", [train], [rollout])
+    table = pq.read_table(path)
+    flips = [i == 4 for i in range(20)]
+    pq.write_table(table.append_column("support_flip", pa.array(flips)), path)
+    assert compute_integrity(path).findings == ()
+    pq.write_table(table.append_column("support_flip", pa.array([False] * 20)), path)
+    assert checks(compute_integrity(path)) == {"nonfinite_logprob": (ERROR, 1, 1)}
+
+
 def test_null_padding_is_not_nonfinite(tmp_path: Path) -> None:
     train: list[float | None]
     train, rollout = drift(50)  # type: ignore[assignment]

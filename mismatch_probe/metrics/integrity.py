@@ -18,7 +18,10 @@ memory bounded by a batch plus fixed-size counts per training step):
   ingested run: a warning (verl's bypass mode copies ``rollout_log_probs`` into
   ``old_log_probs``);
 * ``positive_logprob``: any log-prob above ``1e-6``: an error;
-* ``nonfinite_logprob``: NaN or infinite log-prob on a valid token: an error;
+* ``nonfinite_logprob``: NaN or infinite log-prob on a valid token: an error. A training-side
+  ``-inf`` on a token flagged ``support_flip`` is not counted: the scan's rescorer gives ``-inf``
+  to a sampled token outside the training side's top-k/top-p set, a measurement (the metric
+  engine reads it as the -9999 floor), not a broken value;
 * ``mask_rule``: a format-specific mask the ingest reader could not apply (run metadata
   ``mask_rules``: ``[{"rule", "applied", "detail"}]``): a warning; the masks it applied are
   listed beside the findings (``masks_applied``), not as findings.
@@ -164,19 +167,21 @@ class IntegrityAccumulator:
         self.shift_n = dict.fromkeys(SHIFTS, 0)
 
     def update(self, seq: np.ndarray, pos: np.ndarray, train: np.ndarray, rollout: np.ndarray,
-               valid: np.ndarray) -> None:  # fmt: skip
+               valid: np.ndarray, flip: np.ndarray) -> None:  # fmt: skip
         """Add whole sequences. Shapes ``[N]``: ``seq`` ids (a sequence's rows contiguous),
         ``pos`` response positions, ``train``/``rollout`` float64 log-probs (anything at
-        padding), ``valid`` bool (both sides present)."""
+        padding), ``valid`` bool (both sides present), ``flip`` bool (a support flip)."""
         order = np.lexsort((pos, seq))  # position order inside each sequence
-        seq, pos, train, rollout, valid = (a[order] for a in (seq, pos, train, rollout, valid))
+        arrays = (seq, pos, train, rollout, valid, flip)
+        seq, pos, train, rollout, valid, flip = (a[order] for a in arrays)
         _, seg = np.unique(seq, return_inverse=True)
         self.valid += int(valid.sum())
         self.valid_seqs += len(np.unique(seg[valid]))
         with np.errstate(invalid="ignore"):
             self.identical += int((valid & (train == rollout)).sum())
             finite = valid & np.isfinite(train) & np.isfinite(rollout)
-            self._flag("nonfinite", valid & ~finite, seg)
+            outside = (train == -np.inf) & flip  # a support flip: the token left the support
+            self._flag("nonfinite", valid & ~finite & ~outside, seg)
             positive = finite & ((train > POSITIVE_ABOVE) | (rollout > POSITIVE_ABOVE))
             if positive.any():
                 top = np.maximum(train, rollout)[positive].max()
@@ -302,7 +307,8 @@ def mask_findings(run: Mapping[str, Any]) -> tuple[list[Finding], list[dict[str,
 
 
 def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
-    """seq_id, position, train and rollout (float64, NaN at null) and valid, as numpy."""
+    """seq_id, position, train and rollout (float64, NaN at null), valid, and the support-flip
+    flags (all False without the column), as numpy."""
     values = []
     valid = np.ones(table.num_rows, dtype=bool)
     for name in ("train_logprob", "rollout_logprob"):
@@ -312,7 +318,11 @@ def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
         values.append(pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False))
     seq = pc.cast(table.column("seq_id"), pa.int64()).to_numpy(zero_copy_only=False)
     pos = pc.cast(table.column("position"), pa.int64()).to_numpy(zero_copy_only=False)
-    return seq, pos, values[0], values[1], valid
+    flip = np.zeros(table.num_rows, dtype=bool)
+    if "support_flip" in table.column_names:
+        flips = pc.fill_null(table.column("support_flip"), False)
+        flip = np.asarray(flips.to_numpy(zero_copy_only=False), dtype=bool)
+    return seq, pos, values[0], values[1], valid, flip
 
 
 def compute_integrity(path: Path | str, run: Mapping[str, Any] | None = None) -> Integrity:
@@ -328,7 +338,8 @@ def compute_integrity(path: Path | str, run: Mapping[str, Any] | None = None) ->
     path = resolve_tokens_path(Path(path))
     names = open_parquet(path).schema_arrow.names
     has_step = STEP_COLUMN in names
-    columns = [*METRIC_COLUMNS, *([STEP_COLUMN] if has_step else [])]
+    extra = [c for c in ("support_flip", STEP_COLUMN) if c in names]
+    columns = [*METRIC_COLUMNS, *extra]
     whole = IntegrityAccumulator()
     per_step: dict[int, IntegrityAccumulator] = {}
     for table in iter_sequence_batches(path, columns):

@@ -6,7 +6,8 @@ Public API::
     paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md, report.html
     render_terminal(run_dir, Console())    # the terminal report
 
-Module map: ``context`` (load a run directory), ``verdicts`` (health checks as a table),
+Module map: ``context`` (load a run directory), ``integrity`` (the data-integrity findings,
+shown first in every report, and ``integrity.json``), ``verdicts`` (health checks as a table),
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
 (matplotlib PNGs), ``markdown`` (report.md), ``html`` (report.html from the Markdown),
 ``comment`` (the pull-request comment), ``settings`` (a matrix run's settings side by side),

@@ -5,9 +5,13 @@
 ``F * base`` or ``base + A`` (so a factor fails any growth from a baseline of 0). ``--max`` /
 ``--min`` (``check``) are evaluated beside them.
 
-The runs must measure the same thing (``COMPARABLE``: model config hash, prompts, sampling);
-otherwise the gate refuses (``ProbeError``, exit 2) and says what differs, unless
-``allow_different``.
+The runs must measure the same thing (the run kind: a scan, or an ingested run of one format;
+then ``COMPARABLE``: model config hash, prompts, sampling); otherwise the gate refuses
+(``ProbeError``, exit 2) and says what differs, unless ``allow_different``.
+
+Before any bound, the gate takes the run's data integrity (``report.integrity``, recomputed from
+the store; one step's with ``--step``): an error finding fails it unless ``--accept`` names its
+check.
 
 Noise: for the metrics of ``bootstrap.TERMS`` (``k3_kl``, ``chi2_token``), when both runs have at
 least ``bootstrap.MIN_SEQUENCES`` sequences, the gate bootstraps the excess ``head - F * base``
