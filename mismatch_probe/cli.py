@@ -27,6 +27,7 @@ from mismatch_probe.cli_help import (
 from mismatch_probe.errors import ProbeError, printable
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.options import (
+    AcceptOpt,
     AllowDifferentOpt,
     AttributeOpt,
     BaselineOpt,
@@ -54,6 +55,7 @@ from mismatch_probe.options import (
     PromptsOpt,
     QuantizationOpt,
     RayOpt,
+    RayTimeoutOpt,
     ResumeOpt,
     RolloutDtypeOpt,
     RoutingReplayOpt,
@@ -143,14 +145,18 @@ def metrics_command(
 
     from mismatch_probe.metrics import compute_metrics
     from mismatch_probe.metrics.steps import resolve_step
+    from mismatch_probe.report.integrity import integrity_json, integrity_text, run_integrity
     from mismatch_probe.report.metrics_table import render_metrics
     from mismatch_probe.store import resolve_tokens_path
 
     number = None if step is None else resolve_step(resolve_tokens_path(path), step)
+    integrity = run_integrity(path)
     result = compute_metrics(path, metrics_config, setting=setting, step=number)
     if json_output:
-        print(json.dumps(result.flat(), allow_nan=False))
+        data = {"integrity": integrity_json(integrity, number), **result.flat()}
+        print(json.dumps(data, allow_nan=False))
     else:
+        _stdout_console().print(integrity_text(integrity, number))
         render_metrics(result, _stdout_console())
 
 
@@ -304,8 +310,9 @@ def check(
     allow_different: AllowDifferentOpt = False,
     step: StepOpt = None,
     setting: SettingsOpt = None,
+    accept: AcceptOpt = None,
 ) -> None:
-    """Check metric bounds, and growth over a baseline run (for CI).
+    """Check data integrity, metric bounds, and growth over a baseline run (for CI).
 
     Exit 0 when all hold, 1 when any fails, 2 on bad usage or runs that are not comparable
     (model, prompts, sampling or hardware differ).
@@ -325,6 +332,7 @@ def check(
         allow_different,
         step,
         setting,
+        accept,
     )
     result = gate(cfg)
     render_gate(result, _stdout_console())
@@ -366,6 +374,7 @@ def scan(
     train_device_map: TrainDeviceMapOpt = SCAN.train_device_map,
     shards: ShardsOpt = SCAN.shards,
     ray: RayOpt = SCAN.ray,
+    ray_timeout: RayTimeoutOpt = SCAN.ray_timeout,
     resume: ResumeOpt = SCAN.resume,
     verbose: VerboseOpt = SCAN.verbose,
 ) -> None:

@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,9 @@ TRACE_ENV = "MISMATCH_PROBE_STAGE_TRACE"
 HOLD_ENV = "MISMATCH_PROBE_STAGE_HOLD"
 HOLD_SECONDS = 60.0
 
-_state: dict[str, Any] = {"stage": "startup", "out": None, "since": 0.0, "fired": None}
+_state: dict[str, Any] = {
+    "stage": "startup", "out": None, "since": 0.0, "fired": None, "kept": None
+}  # fmt: skip
 
 
 class Interrupted(BaseException):
@@ -45,7 +47,11 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
     def message(self) -> str:
-        """``interrupted during <stage>; nothing written`` or ``...; complete files kept: ...``."""
+        """``interrupted during <stage>; nothing written`` or ``...; complete files kept: ...``,
+        or what a resumable run (``resumable``) says it kept."""
+        describe = _state.get("kept")
+        if describe is not None:
+            return f"interrupted during {self.stage}; {describe()}"
         kept = kept_files()
         if not kept:
             return f"interrupted during {self.stage}; nothing written"
@@ -85,6 +91,12 @@ def writing_to(out: Path, since: float) -> None:
     _state["out"], _state["since"] = out, since
 
 
+def resumable(describe: Callable[[], str] | None) -> None:
+    """A run that keeps finished parts (a sharded scan): ``describe()`` says what was kept and
+    how to continue, in place of the list of files (None: back to the files)."""
+    _state["kept"] = describe
+
+
 def kept_files() -> list[Path]:
     """The complete files this run wrote (final names; temporary ``.name.partial-*`` excluded)."""
     out, since = _state["out"], _state["since"]
@@ -104,7 +116,7 @@ def handled() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _state.update(stage="startup", out=None, since=time.time(), fired=None)
+    _state.update(stage="startup", out=None, since=time.time(), fired=None, kept=None)
 
     def handler(signum: int, _frame: Any) -> None:
         if _state["fired"] is not None:

@@ -111,7 +111,8 @@ JsonOpt = Annotated[
         "--json",
         metavar="",
         rich_help_panel=OUTPUT,
-        help="Print one flat JSON object (spec names) instead of tables.",
+        help="Print one JSON object instead of tables: 'integrity' (the data-integrity "
+        "findings) first, then the metrics by their spec names.",
     ),
 ]
 
@@ -208,8 +209,20 @@ AllowDifferentOpt = Annotated[
         "--allow-different",
         metavar="",
         rich_help_panel=BASELINE,
-        help="Gate against a baseline that differs in model config, prompts, sampling or "
-        "hardware (CPU model and instruction sets, GPU) (otherwise exit 2 saying what differs).",
+        help="Gate against a baseline that differs in run kind (scan or ingested format), "
+        "model config, prompts, sampling or hardware (CPU model and instruction sets, GPU) "
+        "(otherwise exit 2 saying what differs).",
+    ),
+]
+
+AcceptOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--accept",
+        metavar="CHECK",
+        rich_help_panel=BOUNDS,
+        help="Accept a known data-integrity error (e.g. placeholder_logprob) instead of "
+        "failing on it; repeatable.",
     ),
 ]
 
@@ -584,6 +597,16 @@ RayOpt = Annotated[
         help="Run the shards as Ray tasks: local (start a local Ray instance; also a bare --ray), "
         "auto (the cluster this machine belongs to) or a cluster address such as "
         "ray://head:10001.",
+    ),
+]
+
+RayTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--ray-timeout",
+        metavar="SECONDS",
+        rich_help_panel=SCALE,
+        help="Seconds to wait for a Ray cluster (--ray ADDRESS) to answer before giving up.",
     ),
 ]
 

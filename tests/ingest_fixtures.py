@@ -38,7 +38,8 @@ def synthetic_steps(
         for _ in range(seqs):
             n = int(rng.integers(3, 10))
             rollout = np.log(rng.uniform(0.05, 0.95, n))
-            train = np.minimum(rollout + rng.normal(0.0, growth * k + 1e-4, n), 0.0)
+            # below 0: a training log-prob of exactly 0.0 would be a placeholder (integrity)
+            train = np.minimum(rollout + rng.normal(0.0, growth * k + 1e-4, n), -1e-6)
             prompt = rng.integers(1, 200, int(rng.integers(2, 5))).tolist()
             response = rng.integers(1, 200, n).tolist()
             batch.append(Seq(prompt, response, rollout.tolist(), train.tolist()))

@@ -110,9 +110,17 @@ def test_metrics_step_matches_steps_json(
     code, out, err = run_main(["metrics", str(run), "--step", "20", "--json"], monkeypatch, capsys)
     assert code == 0, err
     steps = json.loads((run / "steps.json").read_text())["steps"]
-    assert json.loads(out) == pytest.approx(steps["20"])
+    data = json.loads(out)
+    integrity = json.loads((run / "integrity.json").read_text())
+    assert data.pop("integrity") == {
+        "findings": integrity["steps"]["20"],
+        "step": 20,
+        "masks_applied": integrity["masks_applied"],
+    }
+    assert data == pytest.approx(steps["20"])
     code, out, _ = run_main(["metrics", str(run), "--step", "last", "--json"], monkeypatch, capsys)
-    assert json.loads(out) == pytest.approx(steps["40"])
+    data = json.loads(out)
+    assert data.pop("integrity")["step"] == 40 and data == pytest.approx(steps["40"])
 
 
 def test_check_step_last_and_bad_steps(

@@ -33,7 +33,7 @@ def _tokens(setting: str, first_seq: int, seed: int) -> dict[str, list]:
         "token_id": rng.integers(0, 100, n).tolist(),
         "token_text": ["x"] * n,
         "rollout_logprob": rollout.tolist(),
-        "train_logprob": (rollout + rng.normal(0, 0.3, n)).tolist(),
+        "train_logprob": np.minimum(rollout + rng.normal(0, 0.3, n), 0.0).tolist(),
         "support_flip": (rng.random(n) < 0.3).tolist(),
     }
 
@@ -60,6 +60,8 @@ def test_json_is_one_flat_object_of_spec_names(run_dir: Path, monkeypatch, capsy
     code, out, err = _probe(monkeypatch, capsys, str(run_dir), "--json")
     assert code == 0 and err == ""
     data = json.loads(out)
+    assert next(iter(data)) == "integrity"  # shown first
+    assert data.pop("integrity") == {"findings": [], "masks_applied": []}
     expected = compute_metrics(run_dir / TOKENS_FILE, MetricsConfig()).flat()
     assert data == pytest.approx(expected)
     for key in ("kl", "k3_kl", "chi2_token", "prob_abs_diff_max", "f_tau_2", "num_tokens"):

@@ -17,6 +17,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.report import bootstrap
 from mismatch_probe.report.baseline import IncreaseResult, differences, run_gate
 from mismatch_probe.report.check import Increase, parse_increase
+from mismatch_probe.report.integrity import CLEAN
 from tests.test_report_check import run_main
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 
@@ -132,7 +133,8 @@ def test_growth_over_the_baseline(
     args += ["--max-increase", "kl=+0"]
     code, out = run_main(args, monkeypatch, capsys)
     assert code == 0, out
-    lines = out.splitlines()
+    clean, *lines = out.splitlines()
+    assert clean == "✔ " + CLEAN
     assert lines[0] == f"baseline {runs['main']}"
     assert lines[1] == f"✔ PASS  k3_kl = {k3(0.03):.6g} ≤ 0.01 (max)"
     assert lines[2] == (
@@ -157,7 +159,8 @@ def test_growth_over_the_baseline(
     args += ["--max-increase", "k3_kl=9x", "--max-increase", "chi2_token=+0.041"]
     code, out = run_main(args, monkeypatch, capsys)
     assert code == 1
-    lines = out.splitlines()
+    clean, *lines = out.splitlines()
+    assert clean == "✔ " + CLEAN
     assert lines[1].startswith(
         f"✘ FAIL  k3_kl = {k3(0.03):.6g} vs baseline {k3(0.01):.6g}: ×{ratio:.3g} > ×9 "
         f"(max increase) by {k3(0.03) - 9 * k3(0.01):.4g}"
@@ -195,7 +198,7 @@ def test_runs_that_measure_different_things_exit_2(
     )
     code, out = run_main([*base, "--allow-different"], monkeypatch, capsys)
     assert code == 0
-    assert out.splitlines()[1] == "⚠ model config differs (head: def; baseline: abc)"
+    assert out.splitlines()[2] == "⚠ model config differs (head: def; baseline: abc)"
 
 
 def test_what_one_run_does_not_record_is_not_compared() -> None:

@@ -8,10 +8,13 @@ from typing import Any
 import pytest
 
 from mismatch_probe.report.check import parse_bound
+from mismatch_probe.report.integrity import CLEAN
 from tests.cli_runner import run_probe
 from tests.test_report_fixtures import uniform_run
 
 R = 0.1  # every token: train - rollout = 0.1, so kl = -0.1 and k3_kl = e^0.1 - 1.1
+
+CLEAN_LINE = "✔ " + CLEAN  # the data-integrity line, first
 
 
 def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[int, str]:
@@ -30,6 +33,7 @@ def test_all_bounds_hold(run: str, monkeypatch: pytest.MonkeyPatch, capsys: Any)
     code, out = run_main(args, monkeypatch, capsys)
     assert code == 0
     assert out.splitlines() == [
+        CLEAN_LINE,
         "✔ PASS  k3_kl = 0.00517092 ≤ 0.01 (max)",
         "✔ PASS  kl = -0.1 ≥ -0.2 (min)",
         "✔ PASS  num_tokens = 10 ≥ 10 (min)",
@@ -44,6 +48,7 @@ def test_a_failing_bound_exits_1_and_says_by_how_much(
     code, out = run_main(args, monkeypatch, capsys)
     assert code == 1
     assert out.splitlines() == [
+        CLEAN_LINE,
         "✘ FAIL  k3_kl = 0.00517092 > 0.001 (max) by 0.004171, 5.17× the bound",
         "✔ PASS  chi2_token = 0.221403 ≤ 1 (max)",
         "✘ FAIL  kl = -0.1 < 0 (min) by 0.1",

@@ -12,7 +12,7 @@ import pytest
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
-from mismatch_probe.report import load_run
+from mismatch_probe.report import load_report, load_run
 from mismatch_probe.report.comment import (
     CLIP,
     COMMENT_LIMIT,
@@ -199,7 +199,8 @@ def test_cli_prints_only_the_comment(
     assert (tmp_path / "c" / "compare.html").is_file()  # the files are written either way
     code, out, _ = run_cli(["report", str(pair[1]), "--format", "pr-comment"], monkeypatch, capsys)
     assert code == 0 and out.startswith("### Mismatch report: tiny-llama\n")
-    assert out == run_comment(load_run(pair[1]))
+    assert out == run_comment(load_report(pair[1])[0])
+    assert "\n✅ Data integrity: clean (" in out  # one line, first after the header
     assert (pair[1] / "report.html").is_file()
 
 

@@ -43,7 +43,8 @@ def table_rows(markdown: str, first_cell: str) -> list[list[str]]:
 
 def test_every_file_exists_and_every_plot_is_a_small_png(rendered) -> None:
     run, paths = rendered
-    assert set(paths) == {"metrics", "report", "html"} | {f"plot_{name}" for name in PLOTS}
+    expected = {"metrics", "integrity", "report", "html"} | {f"plot_{name}" for name in PLOTS}
+    assert set(paths) == expected
     for name in PLOTS:
         path = paths[f"plot_{name}"]
         assert path == run / "plots" / f"{name}.png"
@@ -95,7 +96,7 @@ def test_worst_token_text_is_inert(rendered) -> None:
     [
         ("<script>alert(1)</script>", "&lt;script&gt;alert(1)&lt;/script&gt;"),
         ("[x](javascript:alert(1))", "\\[x\\](javascript:alert(1))"),
-        ("![img](http://e/x.png)", "\\!\\[img\\](http://e/x.png)"),
+        ("![img](http://e/x.png)", "\\!\\[img\\](http:\u200b//e/x.png)"),  # no autolink
         (
             "**bold** _it_ `code` a|b ~s~ $x$",
             "\\*\\*bold\\*\\* \\_it\\_ \\`code\\` a\\|b \\~s\\~ \\$x\\$",

@@ -81,7 +81,9 @@ def normalize_logprobs(values: np.ndarray, valid: np.ndarray, name: str) -> np.n
     x = np.asarray(values, dtype=np.float64)
     bad = valid & (np.isnan(x) | (x == np.inf))
     if bad.any():
-        raise ProbeError(f"{name} holds NaN or +inf in a response token")
+        raise ProbeError(
+            f"{name} holds NaN or +inf in a response token (data integrity: nonfinite_logprob)"
+        )
     with np.errstate(invalid="ignore"):
         return np.where(valid, np.maximum(x, LOGPROB_FLOOR), 0.0)
 

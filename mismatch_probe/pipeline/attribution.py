@@ -76,6 +76,37 @@ def engine_step(
         return engine_rungs(llm, rollouts)
 
 
+def check_stale(stale_model: Any, model_dir: Any) -> None:
+    """The stale checkpoint must be the scanned model at another step: same architecture and
+    vocabulary (a smaller vocabulary cannot score the sampled ids; another architecture would
+    take the whole attribution). Checked before any engine starts.
+
+    Raises:
+        ProbeError: the architectures or vocabulary sizes differ.
+    """
+    if stale_model is None:
+        return
+    stale_dir = models.resolve_model(stale_model)
+    scanned, stale = models.check_causal_lm(model_dir), models.check_causal_lm(stale_dir)
+    for what, read in (("architecture", _architecture), ("vocabulary size", _vocab_size)):
+        mine, theirs = read(scanned), read(stale)
+        if mine != theirs:
+            raise ProbeError(
+                f"--stale-model {stale_model}: {what} {theirs}, the scanned model has {mine}; "
+                "a stale checkpoint must be the same model at an earlier training step"
+            )
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    names = config.get("architectures") or []
+    return f"{config.get('model_type', '?')} ({', '.join(names) or 'none'})"
+
+
+def _vocab_size(config: dict[str, Any]) -> Any:
+    text = config.get("text_config")
+    return config.get("vocab_size") or (text.get("vocab_size") if isinstance(text, dict) else None)
+
+
 def engine_rungs(llm: Any, rollouts: Sequence[rollout.Rollout]) -> EngineRungs:
     """L1 (one batched call) and L2 (one call, hence one engine step, per sequence)."""
     batched = rollout.score_forced(llm, rollouts)

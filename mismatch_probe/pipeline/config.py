@@ -44,6 +44,7 @@ OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "--batch-tokens": (lambda v: v >= 1, ">= 1"),
     "--flip-eps": (lambda v: v >= 0, ">= 0"),
     "--shards": (lambda v: v >= 1, ">= 1"),
+    "--ray-timeout": (lambda v: v > 0, "> 0 seconds"),
 }
 
 
@@ -109,6 +110,7 @@ class ScanConfig:
     train_device_map: str | None = None  # devices.DEVICE_MAPS; None: devices.default_device_map
     shards: int = 1  # > 1: a sharded scan (sharding.py), one part of the store per shard
     ray: str | None = None  # run the shards as Ray tasks: "local" or a cluster address
+    ray_timeout: float = 10.0  # seconds a Ray cluster has to answer (--ray ADDRESS)
     resume: bool = False  # sharded: skip the finished shards of the same --out
     verbose: bool = False  # the engines' logs on the terminal instead of a log file
 
@@ -125,6 +127,7 @@ class ScanConfig:
                 "--batch-tokens": self.batch_tokens,
                 "--flip-eps": self.flip_eps,
                 "--shards": self.shards,
+                "--ray-timeout": self.ray_timeout,
             }
         )
         check_choices(self.rollout_dtypes, DTYPES, "--rollout-dtype")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ProbeError
@@ -52,26 +54,110 @@ def require_ray() -> None:
 
 
 @contextmanager
-def connected(address: str) -> Iterator[None]:
+def connected(address: str, timeout: float = 10.0, verbose: bool = False) -> Iterator[None]:
     """Join (or start, for ``local``) a Ray cluster for the block; a driver that was already
-    connected (``ray.init`` by the caller) stays connected."""
+    connected (``ray.init`` by the caller) stays connected.
+
+    Ray's own output while it starts and stops (log lines, warnings) goes to a log file under
+    the cache, like an engine's (to the terminal with ``verbose``). A remote cluster has
+    ``timeout`` seconds to answer: its host and port must accept a connection within it, and
+    ``ray.init`` must return within it (Ray's client alone retries for about 30 s).
+    """
     require_ray()
     import ray
 
     if ray.is_initialized():
         yield
         return
-    try:
-        if address == "local":
-            ray.init(address="local", include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
-    except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError, ...
-        raise ProbeError(f"--ray {address}: could not connect ({_one_line(exc)})") from None
+    if address not in LOCAL_ADDRESSES:
+        _check_reachable(address, timeout)
+    with _ray_output(verbose) as log:
+        try:
+            if address == "local":
+                ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            else:
+                _bounded(partial(ray.init, address=address, log_to_driver=False), timeout)
+        except TimeoutError:
+            raise ProbeError(
+                f"--ray {address}: no Ray cluster answered within {timeout:g} s{_log_note(log)} "
+                "(--ray-timeout to wait longer)"
+            ) from None
+        except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError, ...
+            raise ProbeError(
+                f"--ray {address}: could not connect ({_one_line(exc)}){_log_note(log)}"
+            ) from None
     try:
         yield
     finally:
-        ray.shutdown()
+        with _ray_output(verbose):
+            ray.shutdown()
+
+
+LOCAL_ADDRESSES = ("local", "auto")  # no host and port to check first
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    """Fail at once (within ``timeout``) when nothing accepts a connection at the address's
+    ``host:port`` (``ray://head:10001`` or ``head:6379``); other forms are left to Ray."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            reason = f"no answer within {timeout:g} s"
+        raise ProbeError(
+            f"--ray {address}: nothing accepts a connection at {host}:{port} ({reason}); check "
+            "the address (--ray-timeout to wait longer)"
+        ) from None
+
+
+def _bounded(call: Callable[[], Any], timeout: float) -> None:
+    """``call()`` in a daemon thread; ``TimeoutError`` when it has not returned in ``timeout``
+    seconds (the thread is left to finish or fail on its own), its exception when it raised."""
+    import threading
+
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+@contextmanager
+def _ray_output(verbose: bool) -> Iterator[Path | None]:
+    """Ray's output in the block goes to a fresh log file (yielded), or stays on the terminal
+    with ``verbose`` (None)."""
+    if verbose:
+        yield None
+        return
+    from mismatch_probe import models
+    from mismatch_probe.engine import process
+
+    log = process.new_log_path(models.cache_dir() / "logs")
+    with process.captured(log):
+        yield log
+
+
+def _log_note(log: Path | None) -> str:
+    """``; Ray's log: PATH`` when the log holds anything."""
+    if log is None or not log.is_file() or log.stat().st_size == 0:
+        return ""
+    return f"; Ray's log: {log}"
 
 
 def _one_line(exc: BaseException) -> str:

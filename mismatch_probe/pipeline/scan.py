@@ -42,6 +42,7 @@ from mismatch_probe.pipeline.timing import Timer
 from mismatch_probe.progress import make_progress
 from mismatch_probe.prompts import Prompt, default_prompts_path, encode_prompts, load_prompts
 from mismatch_probe.settings import RolloutSetting, Setting
+from mismatch_probe.training import devices
 
 if TYPE_CHECKING:
     from mismatch_probe.metrics import MetricsResult
@@ -77,6 +78,7 @@ def check_inputs(cfg: ScanConfig, out: bool = True) -> Inputs:
     out_dir = check_out(cfg, cfg.out, create=False) if out and cfg.out is not None else None
     attribution.check(cfg)
     model_dir = models.resolve_model(cfg.model)
+    attribution.check_stale(cfg.stale_model, model_dir)
     check_weights(model_dir)  # what the engine will load, checked before it starts
     if out and out_dir is None:
         out_dir = check_out(cfg, cfg.out_dir(models.model_name(model_dir)), create=False)
@@ -91,6 +93,8 @@ def prepare(cfg: ScanConfig, out: bool = True) -> Prepared:
     with process.importing():
         from transformers import AutoConfig, AutoTokenizer
 
+        if cfg.ray is None:  # on Ray, each worker checks its own devices (run_shard)
+            devices.check_available(cfg.train_device_map)
         process.import_vllm_quietly(cfg.verbose)  # before anything else touches vLLM
     check_engine_args(cfg.vllm_args)  # their types are vLLM's own: known once it is imported
     invariant = batch_invariant.check(cfg.batch_invariant)
@@ -191,8 +195,10 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
 def check_out(cfg: ScanConfig, out: Path, create: bool = True) -> Path:
     """The output directory, proven writable (and created, with ``create``) before any engine
     starts: a scan must not run for minutes to fail at its first write. One that holds a run
-    already is refused unless ``cfg.force`` (its files would be replaced) or ``cfg.resume``."""
-    held = [name for name in (store.RUN_FILE, store.TOKENS_FILE) if (out / name).exists()]
+    already (one file, or a sharded run's parts) is refused unless ``cfg.force`` (its files
+    would be replaced) or ``cfg.resume``."""
+    names = (store.RUN_FILE, store.TOKENS_FILE, store.TOKENS_DIR)  # TOKENS_DIR: a sharded run
+    held = [name for name in names if (out / name).exists()]
     if held and not (cfg.force or cfg.resume):
         raise ProbeError(
             f"--out {out} holds a run already ({held[0]}); choose another directory, or give "

@@ -28,10 +28,11 @@ import shutil
 import socket
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import store
+from mismatch_probe import interrupt, store
 from mismatch_probe.engine import process
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.pipeline import scan
@@ -42,7 +43,7 @@ from mismatch_probe.store import dataset
 
 PLAN_FILE = "shards.json"
 RUNNING = "_RUNNING"  # in tokens/shard=K while the shard runs: {"pid", "host", "started"}
-NOT_RECORDED = ("ray", "resume")  # options that may change between a run and its --resume
+NOT_RECORDED = ("ray", "ray_timeout", "resume")  # may change between a run and its --resume
 
 
 def plan_shards(num_prompts: int, shards: int) -> list[tuple[int, int]]:
@@ -135,7 +136,9 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
     from rich.console import Console
 
     from mismatch_probe.progress import make_progress
+    from mismatch_probe.training import devices
 
+    devices.check_available(cfg.train_device_map)  # this worker's devices, before its engine
     _reset(Path(out), shard)
     part = shard_part(Path(out), shard, bounds)
     timer = Timer()
@@ -184,11 +187,16 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
         prep = scan.prepare(cfg)
         out = prep.out_dir
         plan = plan_shards(len(prep.prompts), cfg.shards)
-    # Ray is joined before anything in --out is replaced: a wrong address loses nothing.
-    with raycluster.connected(cfg.ray) if cfg.ray is not None else nullcontext():
+    # Ray is joined before anything in --out is touched: a wrong address loses nothing.
+    ray = cfg.ray
+    joined = (
+        nullcontext() if ray is None else raycluster.connected(ray, cfg.ray_timeout, cfg.verbose)
+    )
+    with joined:
         with timer("prepare"):
             done = start_or_resume(out, cfg, prep, plan)
         pending = [k for k in range(len(plan)) if k not in done]
+        interrupt.resumable(partial(kept_shards, out, len(plan)))
         if done:
             console.print(f"resume: shard(s) {sorted(done)} finished, running {pending}")
         # Workers may start elsewhere (another directory, another node): absolute paths only.
@@ -208,3 +216,13 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
                     console.print(f"shard {k} of {len(plan)} done", highlight=False)
     records = list(dataset.done_shards(out / store.TOKENS_DIR).values())
     return scan.finish(cfg, prep, records, timer)
+
+
+def kept_shards(out: Path, count: int) -> str:
+    """What an interrupted sharded scan keeps: its finished shards, and how to continue."""
+    done = sorted(dataset.done_shards(out / store.TOKENS_DIR))
+    resume = "rerun the same command with --resume to continue"
+    if not done:
+        return f"no shard finished yet (the plan is in {out / PLAN_FILE}); {resume}"
+    listed = ", ".join(str(k) for k in done)
+    return f"finished shard(s) {listed} of {count} kept in {out}; {resume} with the others"

@@ -6,7 +6,8 @@ Public API::
     paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md, report.html
     render_terminal(run_dir, Console())    # the terminal report
 
-Module map: ``context`` (load a run directory), ``verdicts`` (health checks as a table),
+Module map: ``context`` (load a run directory), ``integrity`` (the data-integrity findings,
+shown first in every report, and ``integrity.json``), ``verdicts`` (health checks as a table),
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
 (matplotlib PNGs), ``markdown`` (report.md), ``html`` (report.html from the Markdown),
 ``comment`` (the pull-request comment), ``settings`` (a matrix run's settings side by side),
@@ -65,6 +66,9 @@ def load_report(
         settings: only these settings of a matrix run (``--setting``); the first of them in
             the scan's order is the reference. () means every setting.
     """
+    from dataclasses import replace
+
+    from mismatch_probe.report.integrity import run_integrity
     from mismatch_probe.report.settings import select_settings, setting_entries, setting_names
 
     run_dir = Path(run_dir)
@@ -81,6 +85,7 @@ def load_report(
     given = dict(computed or {})
     first = given.get(reference or names[0]) if names else None
     ctx = load_run(run_dir, metrics_config, reference, data=first, run=run)
+    ctx = replace(ctx, integrity=run_integrity(run_dir, ctx.run))  # recomputed from the store
     entries = setting_entries(run_dir, metrics_config, given, names)
     if settings and len(names) > 1:
         entries = [e for e in entries if e.label in chosen]
@@ -88,15 +93,17 @@ def load_report(
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
-    """Write ``metrics.json``, ``plots/<name>.png`` (the routing plots too, for an MoE run),
-    ``report.md`` and ``report.html`` (the same report in one self-contained file) of a loaded
-    run; with ``entries`` (the settings of a matrix run) the report ends with them side by side.
+    """Write ``integrity.json`` (when ``ctx`` has the findings), ``metrics.json``,
+    ``plots/<name>.png`` (the routing plots too, for an MoE run), ``report.md`` and
+    ``report.html`` (the same report in one self-contained file) of a loaded run; with
+    ``entries`` (the settings of a matrix run) the report ends with them side by side.
 
     Returns:
-        ``{"metrics": ..., "report": ..., "html": ..., "plot_<name>": ...}`` paths.
+        ``{"metrics": ..., "integrity": ..., "report": ..., "html": ..., "plot_<name>": ...}``
     """
     from mismatch_probe.report import attribution
     from mismatch_probe.report.html import write_html
+    from mismatch_probe.report.integrity import write_integrity
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
@@ -109,6 +116,8 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 
     run_dir = store.writable_dir(ctx.run_dir, "run directory")
     paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
+    if ctx.integrity is not None:
+        paths["integrity"] = write_integrity(run_dir, ctx.integrity)
     names = setting_names(run_dir, ctx.run.get("settings")) if ctx.setting is not None else []
     if not names or ctx.setting == names[0]:  # metrics.json holds the scan's first setting
         store.write_json(paths["metrics"], ctx.json_dict())

@@ -5,9 +5,13 @@
 ``F * base`` or ``base + A`` (so a factor fails any growth from a baseline of 0). ``--max`` /
 ``--min`` (``check``) are evaluated beside them.
 
-The runs must measure the same thing (``COMPARABLE``: model config hash, prompts, sampling);
-otherwise the gate refuses (``ProbeError``, exit 2) and says what differs, unless
-``allow_different``.
+The runs must measure the same thing (the run kind: a scan, or an ingested run of one format;
+then ``COMPARABLE``: model config hash, prompts, sampling); otherwise the gate refuses
+(``ProbeError``, exit 2) and says what differs, unless ``allow_different``.
+
+Before any bound, the gate takes the run's data integrity (``report.integrity``, recomputed from
+the store; one step's with ``--step``): an error finding fails it unless ``--accept`` names its
+check.
 
 Noise: for the metrics of ``bootstrap.TERMS`` (``k3_kl``, ``chi2_token``, ``kl``, ``f_tau_2``,
 ...), when both runs have at least ``bootstrap.MIN_SEQUENCES`` sequences, the gate bootstraps
@@ -20,14 +24,16 @@ compared point to point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 from typing import Any
 
 from rich.console import Console
 from rich.text import Text
 
+from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics.integrity import Finding, Integrity, errors
 from mismatch_probe.report import bootstrap
 from mismatch_probe.report.check import (
     BoundResult,
@@ -52,10 +58,24 @@ COMPARABLE: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 KINDS = {"x": "factor", "+": "absolute"}
 
 
+def run_kind(run: dict[str, Any]) -> str:
+    """``scan``, or ``ingest of <format>`` (a run without ``kind`` was written by a scan)."""
+    kind = str(run.get("kind") or "scan")
+    source = _lookup(run, ("source", "format"))
+    return kind if source is None else f"{kind} of {source}"
+
+
 def differences(head: dict[str, Any], base: dict[str, Any]) -> list[str]:
-    """One line per ``COMPARABLE`` field recorded by both runs with different values."""
+    """One line per ``COMPARABLE`` field recorded by both runs with different values, after
+    the run kind (a scan against an ingested run, one ingested format against another), which
+    is always compared."""
     hashed = all(_lookup(run, ("prompts", "sha256")) is not None for run in (head, base))
-    lines = []
+    kinds = [run_kind(run) for run in (head, base)]
+    lines = (
+        []
+        if kinds[0] == kinds[1]
+        else [f"run kind differs (head: {kinds[0]}; baseline: {kinds[1]})"]
+    )
     for what, path in COMPARABLE:
         values = [_lookup(run, path) for run in (head, base)]
         if what == "prompts file":
@@ -176,6 +196,16 @@ class Gate:
     settings: tuple[SettingGate, ...]
     differences: tuple[str, ...] = ()
     baseline: Path | None = None
+    integrity: Integrity | None = None  # the run's data-integrity findings
+    step: int | None = None  # the training step checked (--step), None for the whole run
+    accepted: tuple[str, ...] = ()  # integrity checks accepted with --accept
+
+    @property
+    def integrity_errors(self) -> list[Finding]:
+        """The error findings (of ``step``) not accepted."""
+        if self.integrity is None:
+            return []
+        return errors(self.integrity.of_step(self.step), self.accepted)
 
     @property
     def bounds(self) -> tuple[BoundResult, ...]:
@@ -187,7 +217,7 @@ class Gate:
 
     @property
     def passed(self) -> bool:
-        return all(s.passed for s in self.settings)
+        return all(s.passed for s in self.settings) and not self.integrity_errors
 
 
 def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
@@ -249,7 +279,19 @@ def gate(cfg: CheckConfig) -> Gate:
     run_dir = cfg.run_dir
     if not run_dir.is_dir():
         raise ProbeError(f"{run_dir} is not a run directory")
-    head_settings = select_settings(run_dir, cfg.settings)
+    checked = _integrity_gate(run_dir, cfg.step, cfg.accept)
+    try:
+        bounds = _gate_bounds(cfg, select_settings(run_dir, cfg.settings))
+        return replace(bounds, integrity=checked.integrity, step=checked.step, accepted=cfg.accept)
+    except ProbeError:
+        if checked.integrity_errors:  # e.g. NaN log-probs: no metrics, but the finding says why
+            return checked
+        raise
+
+
+def _gate_bounds(cfg: CheckConfig, head_settings: list[str | None]) -> Gate:
+    """The bounds (and growth over the baseline) of every setting gated."""
+    run_dir = cfg.run_dir
     if cfg.baseline is None:
         checked = []
         for setting in head_settings:
@@ -295,13 +337,33 @@ def run_gate(
     allow_different: bool = False,
     step: str | None = None,
     settings: list[str] | None = None,
+    accept: tuple[str, ...] = (),
 ) -> Gate:
     """``gate`` of the ``CheckConfig`` these options make (``CheckConfig.from_options``)."""
     return gate(
         CheckConfig.from_options(
-            run_dir, maxima, minima, baseline, increases, level, allow_different, step, settings
+            run_dir,
+            maxima,
+            minima,
+            baseline,
+            increases,
+            level,
+            allow_different,
+            step,
+            settings,
+            accept,
         )
     )
+
+
+def _integrity_gate(run_dir: Path, step: str | None, accept: tuple[str, ...]) -> Gate:
+    """A gate with no bound yet: the run's integrity findings, recomputed from its store."""
+    from mismatch_probe.metrics.steps import resolve_step
+    from mismatch_probe.report.integrity import run_integrity
+
+    tokens = store.resolve_tokens_path(run_dir)
+    number = None if step is None else resolve_step(tokens, step)
+    return Gate((), integrity=run_integrity(run_dir), step=number, accepted=accept)
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -333,8 +395,13 @@ def increase_line(res: IncreaseResult) -> Text:
 
 
 def render_gate(gate: Gate, console: Console) -> None:
-    """The baseline and what differs (if anything), one line per bound (under a heading per
-    setting for a matrix run), and a summary naming each failing setting and metric."""
+    """The data integrity first, the baseline and what differs (if anything), one line per
+    bound (under a heading per setting for a matrix run), and a summary naming each failing
+    setting and metric, and the integrity errors that fail the gate."""
+    from mismatch_probe.report.integrity import integrity_text
+
+    if gate.integrity is not None:
+        console.print(integrity_text(gate.integrity, gate.step, gate.accepted), highlight=False)
     if gate.baseline is not None:
         console.print(f"baseline {gate.baseline}", highlight=False, soft_wrap=True)
     for line in gate.differences:
@@ -356,14 +423,25 @@ def render_gate(gate: Gate, console: Console) -> None:
 
 def summary_line(gate: Gate) -> str:
     """``all bounds hold`` (``... in 3 settings``), or how many failed and, for a matrix run,
-    each failing setting with its failing metrics."""
+    each failing setting with its failing metrics; then the integrity errors that fail."""
     results: list[BoundResult | IncreaseResult] = [*gate.bounds, *gate.increases]
     failed = sum(not r.passed for r in results)
+    if not results:
+        text = "no bound evaluated (the metrics cannot be computed)"
+    else:
+        text = _bounds_summary(gate, failed, len(results))
+    if gate.integrity_errors:
+        names = ", ".join(dict.fromkeys(f.check for f in gate.integrity_errors))
+        text += f"; integrity error: {names} (--accept CHECK if it is known and harmless)"
+    return text
+
+
+def _bounds_summary(gate: Gate, failed: int, total: int) -> str:
     many = len(gate.settings) > 1 or gate.settings[0].setting is not None
     where = f" in {len(gate.settings)} setting{'s' if len(gate.settings) > 1 else ''}"
     if not failed:
         return "all bounds hold" + (where if many else "")
-    text = f"{failed} of {len(results)} bounds failed"
+    text = f"{failed} of {total} bounds failed"
     if not many:
         return text
     bad = [s for s in gate.settings if not s.passed]

@@ -1,9 +1,9 @@
 """``CheckConfig``: what ``probe check`` gates, built from the command line and validated once.
 
 The config owns its rules: ``from_options`` parses every ``--max`` / ``--min`` /
-``--max-increase`` and checks how the options combine (``--baseline`` needs ``--max-increase``
-and the reverse, ``--step`` does not take a baseline, the confidence level lies in (0, 1)); the
-gate (``baseline.gate``) then only evaluates. What needs the runs themselves (a metric or a
+``--max-increase`` and ``--accept`` and checks how the options combine (``--baseline`` needs
+``--max-increase`` and the reverse, ``--step`` does not take a baseline, the confidence level
+lies in (0, 1), ``--accept`` names a check); the gate (``baseline.gate``) then only evaluates. What needs the runs themselves (a metric or a
 setting the run lacks, runs that measure different things) is checked when they are read.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics.integrity import CHECKS
 from mismatch_probe.report.check import Bound, Increase, parse_bounds, parse_increase
 
 
@@ -29,6 +30,7 @@ class CheckConfig:
         allow_different: gate against a baseline that measures something else.
         step: one training step of an ingested run (``"last"`` or a number), or None.
         settings: the settings of a matrix run to gate (``--setting``); () means every one.
+        accept: integrity checks whose error findings do not fail the gate (``--accept``).
     """
 
     run_dir: Path
@@ -39,8 +41,12 @@ class CheckConfig:
     allow_different: bool = False
     step: str | None = None
     settings: tuple[str, ...] = ()
+    accept: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in self.accept:
+            if name not in CHECKS:
+                raise ProbeError(f"--accept {name}: not an integrity check ({', '.join(CHECKS)})")
         if self.increases and self.baseline is None:
             raise ProbeError("--max-increase needs --baseline BASE_RUN_DIR")
         if self.baseline is not None and not self.increases:
@@ -68,6 +74,7 @@ class CheckConfig:
         allow_different: bool = False,
         step: str | None = None,
         settings: list[str] | None = None,
+        accept: list[str] | tuple[str, ...] | None = None,
     ) -> CheckConfig:
         """The config of the command line's options (raw ``METRIC=VALUE`` strings)."""
         parsed = tuple(parse_increase(s) for s in increases or [])
@@ -81,4 +88,5 @@ class CheckConfig:
             allow_different=allow_different,
             step=step,
             settings=tuple(dict.fromkeys(settings or [])),
+            accept=tuple(dict.fromkeys(accept or [])),
         )

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from mismatch_probe.report.compare import Comparison, Entry
 from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.integrity import integrity_markdown, runs_markdown
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
     all_metrics_section,
@@ -219,6 +220,12 @@ def _tail(ctx: RunContext) -> list[tuple[str, list[str]]]:
     return parts
 
 
+def _integrity_lines(ctx: RunContext) -> list[str]:
+    """The data-integrity section (first after the title), when the findings are loaded."""
+    lines = integrity_markdown(ctx.integrity)
+    return titled("Data integrity", lines) if lines and lines[0].startswith("#") else lines
+
+
 def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
     """The comment of one run (``probe report RUN --format pr-comment``); a matrix run's
     (``entries``: its settings) starts with every setting judged."""
@@ -232,7 +239,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         judged = judge([(e.label, e.metrics) for e in entries])
         top = [("Every setting", every_setting_markdown(judged, ctx.label, "####"))]
         counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
-    head = [*_header(ctx, f"Mismatch report: {model}"), counts, ""]
+    head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
     parts = [
         ("Header", head),
         *top,
@@ -313,6 +320,10 @@ def comparison_comment(comparison: Comparison) -> str:
     model = escape(head_ctx.run.get("model", {}).get("name", head_ctx.label))
     title = f"Mismatch: {escape(labels[-1])} vs {escape(labels[0])} ({model})"
     head = _header(head_ctx, title)
+    integrity = runs_markdown([(lab, r.integrity) for lab, r in zip(labels, runs, strict=True)])
+    head += (
+        titled("Data integrity", integrity) if integrity[:1] == ["## Data integrity"] else integrity
+    )
     head += [f"> ⚠️ **The runs differ:** {escape(w)}" for w in comparison.warnings]
     head += [""] if comparison.warnings else []
     keys = [k for k, _ in KEY_METRICS]

@@ -11,7 +11,7 @@ which the reports print as a warning: such runs measure different things.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -193,7 +193,7 @@ def load_comparison(run_dirs: list[Path], settings: tuple[str, ...] = ()) -> Com
         raise ProbeError("compare needs at least two run directories")
     names = [setting_names(Path(d)) if Path(d).is_dir() else [] for d in run_dirs]
     if not settings and all(len(n) < 2 for n in names):
-        runs = [load_run(d) for d in run_dirs]
+        runs = [_with_integrity(load_run(d)) for d in run_dirs]
         labels = unique_labels(runs)
         entries = tuple(
             Entry(lab, r.metrics, r.curves) for lab, r in zip(labels, runs, strict=True)
@@ -233,7 +233,15 @@ def _load_pairs(
         )
         raise ProbeError(f"the runs share no setting ({held})")
     warnings = tuple(run_differences(labels, metas))
-    return Comparison(pairs[0].runs, pairs[0].entries, warnings, tuple(pairs), tuple(unpaired))
+    first = tuple(_with_integrity(r) for r in pairs[0].runs)  # whole runs: one pass each
+    return Comparison(first, pairs[0].entries, warnings, tuple(pairs), tuple(unpaired))
+
+
+def _with_integrity(run: RunContext) -> RunContext:
+    """The run with its data-integrity findings, recomputed from its store."""
+    from mismatch_probe.report.integrity import run_integrity
+
+    return replace(run, integrity=run_integrity(run.run_dir, run.run))
 
 
 def _dir_labels(run_dirs: list[Path]) -> list[str]:
@@ -275,9 +283,14 @@ def comparison_table(entries: list[Entry], rows: list[CompareRow], title: str = 
 
 def render_comparison(comparison: Comparison, console: Console) -> None:
     """The warnings (if any) and the comparison table."""
-    parts: list[RenderableType] = [
-        Text(f"⚠ {visible(w)}", style="yellow") for w in comparison.warnings
-    ]
+    from mismatch_probe.report.integrity import runs_text
+
+    labels = [e.label for e in comparison.entries]
+    integrity = runs_text(
+        [(lab, r.integrity) for lab, r in zip(labels, comparison.runs, strict=True)]
+    )
+    parts: list[RenderableType] = [integrity] if integrity else []
+    parts += [Text(f"⚠ {visible(w)}", style="yellow") for w in comparison.warnings]
     if comparison.pairs:
         n = len(comparison.pairs)
         parts.append(Text(f"{n} setting{'s' if n > 1 else ''} paired by name", style="bold"))
@@ -328,7 +341,13 @@ def comparison_markdown(
         [escape(e.label), escape(r.run_dir.name)]
         for e, r in zip(comparison.entries, comparison.runs, strict=True)
     ]
-    lines = ["# Mismatch comparison", "", *table(["run", "directory"], runs), ""]
+    from mismatch_probe.report.integrity import runs_markdown
+
+    lines = ["# Mismatch comparison", ""]
+    lines += runs_markdown(
+        [(e.label, r.integrity) for e, r in zip(comparison.entries, comparison.runs, strict=True)]
+    )
+    lines += [*table(["run", "directory"], runs), ""]
     lines += [f"> **Warning:** {escape(w)}" for w in comparison.warnings]
     lines += [""] if comparison.warnings else []
     pairs = comparison.all_pairs

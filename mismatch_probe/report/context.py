@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
+from mismatch_probe.metrics.integrity import Integrity
 
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
@@ -67,6 +68,8 @@ class RunContext:
         worst: the worst tokens, largest ``|r|`` first, with their text.
         setting: the ``setting`` the metrics cover when one was chosen (a store may hold
             several); None for the whole store.
+        integrity: the data-integrity findings of the whole run (``load_report`` computes
+            them; None when not loaded).
     """
 
     run_dir: Path
@@ -76,6 +79,7 @@ class RunContext:
     curves: dict[str, Any]
     worst: tuple[WorstToken, ...]
     setting: str | None = None
+    integrity: Integrity | None = None
 
     @property
     def tokens_path(self) -> Path:
@@ -244,8 +248,9 @@ def read_token_probs(path: Path, setting: str | None = None) -> TokenProbs:
     cols = ["rollout_logprob", "train_logprob"] + (["support_flip"] if has_flip else [])
     where = [("setting", "=", setting)] if setting is not None else None
     table = pq.read_table(path, columns=cols, filters=where).drop_null()
-    rollout = np.exp(table.column("rollout_logprob").to_numpy().astype(np.float64))
-    train = np.exp(table.column("train_logprob").to_numpy().astype(np.float64))
+    # exp(min(lp, 0)): a (noisy or bogus) positive log-prob is drawn at 1, never above
+    rollout = np.exp(np.minimum(table.column("rollout_logprob").to_numpy().astype(np.float64), 0))
+    train = np.exp(np.minimum(table.column("train_logprob").to_numpy().astype(np.float64), 0))
     flip = (
         table.column("support_flip").to_numpy(zero_copy_only=False).astype(bool)
         if has_flip

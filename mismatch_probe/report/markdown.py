@@ -3,22 +3,24 @@
 Every string that comes from the model or the environment (token text, setting, model name,
 paths) goes through ``escape``: HTML special characters become entities, Markdown punctuation is
 backslash-escaped, newlines become a visible ⏎, and ``@`` / ``#`` get a zero-width space so that
-model output can neither inject HTML or links nor mention users or issues. The only HTML in the
-file is the ``<b>``/``<details>`` markup written here.
+model output can neither inject HTML or links nor mention users or issues; bare URLs
+(``http://``, ``www.``, ``mailto:``: GitHub links them even without link syntax) get one too.
+The only HTML in the file is the ``<b>``/``<details>`` markup written here.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
 from mismatch_probe.report.causes import LEGEND
 from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.integrity import integrity_markdown
 from mismatch_probe.report.sections import (
     KEY_METRICS,
     fmt,
     preset_rows,
+    prob_text,
     settings_rows,
     show_blank,
     visible,
@@ -29,6 +31,11 @@ MD_DIGITS = 6  # significant digits of every number in report.md
 # Brackets escaped means no link or image can form, so parentheses stay as they are.
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]#!|~$])")  # < > & become entities instead
 _ZWSP = "\u200b"
+# What GitHub turns into a link even without Markdown link syntax (its autolink extension):
+# ``scheme://``, ``www.``, ``mailto:`` and ``xmpp:``; a zero-width space breaks each.
+_AUTOLINK = re.compile(
+    r"(?i)(?<=[a-z0-9+.-]:)(?=//)|(?<![a-z0-9])(?:www(?=\.)|mailto(?=:)|xmpp(?=:))"
+)
 VERDICT_MARK = {"PASS": "✅ PASS", "FAIL": "❌ FAIL", "n/a": "➖ n/a"}
 
 
@@ -36,6 +43,7 @@ def escape(text: str) -> str:
     """Model or user text -> inert Markdown for one table cell (see the module docstring)."""
     text = _MD_SPECIAL.sub(r"\\\1", text)
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = _AUTOLINK.sub(lambda m: m.group(0) + _ZWSP, text)  # a bare URL never a live link
     text = text.replace("@", "@" + _ZWSP).replace("#", "#" + _ZWSP)
     for mark in ("✅", "❌", "➖"):  # model text never reads as a verdict (html.VERDICT_HTML)
         text = text.replace(mark, mark + _ZWSP)
@@ -114,8 +122,8 @@ def worst_section(worst: tuple[WorstToken, ...]) -> list[str]:
             f"{tok.seq_id}:{tok.position}",
             _cell_context(tok),
             f"{tok.log_ratio:+.4g}",
-            f"{math.exp(tok.rollout_logprob):.4g}",
-            f"{math.exp(tok.train_logprob):.4g}",
+            prob_text(tok.rollout_logprob, 4),
+            prob_text(tok.train_logprob, 4),
             tok.cause,
         ]
         for i, tok in enumerate(worst, 1)
@@ -148,6 +156,7 @@ def render_markdown(
     lines = [
         title,
         "",
+        *integrity_markdown(ctx.integrity),
         *(top or []),
         *settings_section(ctx),
         *verdict_section(evaluate(ctx.metrics)),

@@ -6,10 +6,12 @@ formatting. Plain data plus two small functions; no rendering here.
 
 from __future__ import annotations
 
+import math
 from pathlib import PurePath
 from typing import Any
 
 from mismatch_probe.errors import printable
+from mismatch_probe.metrics.integrity import POSITIVE_ABOVE
 from mismatch_probe.metrics.presets import PRESET_COLUMNS, PRESET_PREFIX
 
 # (key, what it means) for the key-metrics table of report.md and the rows of `probe compare`.
@@ -126,6 +128,18 @@ def fmt(key: str, value: float, digits: int = 4) -> str:
     if key.startswith("num_"):
         return f"{value:.0f}"
     return f"{value:.{digits}g}"
+
+
+def prob_text(logprob: float, digits: int) -> str:
+    """A token probability from its log-prob, never above 1 and never an overflow: a log-prob
+    above 0 (rounding aside) is no log-prob at all and is shown as such (``log p +5``), so a
+    report never shows a probability of 148 (the ``positive_logprob`` integrity check says
+    why)."""
+    if not math.isfinite(logprob):
+        return "—"
+    if logprob > POSITIVE_ABOVE:
+        return f"log p {logprob:+.{digits}g}"
+    return f"{math.exp(min(logprob, 0.0)):.{digits}g}"
 
 
 def show_blank(token: str) -> str:

@@ -17,10 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.integrity import integrity_text
 from mismatch_probe.report.sections import (
     fmt,
     metric_groups,
     preset_rows,
+    prob_text,
     settings_rows,
     show_blank,
     visible,
@@ -154,8 +156,8 @@ def worst_table(worst: tuple[WorstToken, ...]) -> Table:
             f"{tok.seq_id}:{tok.position}",
             _context(tok),
             f"{tok.log_ratio:+.3g}",
-            f"{math.exp(tok.rollout_logprob):.3g}",
-            f"{math.exp(tok.train_logprob):.3g}",
+            prob_text(tok.rollout_logprob, 3),
+            prob_text(tok.train_logprob, 3),
             Text(tok.cause, style=CAUSE_STYLE.get(tok.cause.split(",")[0], "")),
         )
     return table
@@ -164,7 +166,8 @@ def worst_table(worst: tuple[WorstToken, ...]) -> Table:
 def report_renderables(ctx: RunContext) -> list[RenderableType]:
     """Every part of the terminal report, in order."""
     tables = [metric_table(title, keys, ctx.metrics) for title, keys in metric_groups(ctx.metrics)]
-    parts: list[RenderableType] = [header(ctx), Text(), verdict_table(evaluate(ctx.metrics))]
+    parts: list[RenderableType] = [integrity_text(ctx.integrity)] if ctx.integrity else []
+    parts += [header(ctx), Text(), verdict_table(evaluate(ctx.metrics))]
     parts += [Text(), Columns(tables)]
     presets = preset_table(ctx)
     if presets is not None:

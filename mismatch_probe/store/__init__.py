@@ -104,6 +104,7 @@ SEQUENCES_DIR = "sequences"  # ... instead of SEQUENCES_FILE
 ROUTING_DIR = "routing"  # ... instead of ROUTING_FILE
 ROUTING_METRICS_FILE = "routing.json"  # MoE: disagreement and the mismatch split by it
 STEPS_FILE = "steps.json"  # an ingested run's metrics per training step
+INTEGRITY_FILE = "integrity.json"  # data-integrity findings (metrics spec section 8)
 REPORT_FILE = "report.md"
 COMPARE_FILE = "compare.md"  # written by ``probe compare`` into its own directory
 PLOTS_DIR = "plots"

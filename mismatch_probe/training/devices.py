@@ -52,6 +52,26 @@ def visible_gpu_free_bytes() -> list[int]:
     return [int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())]
 
 
+def check_available(choice: str | None) -> None:
+    """Fail with one line when ``choice`` needs a CUDA device this machine does not have
+    (checked before any engine starts: the training side loads only after the whole rollout).
+
+    Raises:
+        ProbeError: ``cuda`` without a visible CUDA device.
+    """
+    if choice != "cuda":
+        return  # auto and balanced place what fits, the CPU included
+    import torch
+
+    if not torch.cuda.is_available():
+        from mismatch_probe.errors import ProbeError
+
+        raise ProbeError(
+            "--train-device-map cuda: no CUDA device is visible on this machine; use cpu, "
+            "auto, or leave the option out"
+        )
+
+
 def parameter_count(model_dir: Path) -> int | None:
     """Parameters in the checkpoint's safetensors files (read from their headers), or None."""
     files = sorted(model_dir.glob("*.safetensors"))
