@@ -3,8 +3,9 @@
 The config owns its rules: ``from_options`` parses every ``--max`` / ``--min`` /
 ``--max-increase`` and ``--accept`` and checks how the options combine (``--baseline`` needs
 ``--max-increase`` and the reverse, ``--step`` does not take a baseline, the confidence level
-lies in (0, 1), ``--accept`` names a check); the gate (``baseline.gate``) then only evaluates. What needs the runs themselves (a metric or a
-setting the run lacks, runs that measure different things) is checked when they are read.
+lies in (0, 1), ``--accept`` names a check); the gate (``baseline.gate``) then only evaluates.
+What needs the runs themselves (a metric or a setting the run lacks, runs that measure different
+things) is checked when they are read.
 """
 
 from __future__ import annotations
