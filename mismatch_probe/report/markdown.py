@@ -10,11 +10,11 @@ The only HTML in the file is the ``<b>``/``<details>`` markup written here.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from mismatch_probe.report.causes import LEGEND
 from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.escape import escape
 from mismatch_probe.report.integrity import integrity_markdown
 from mismatch_probe.report.sections import (
     KEY_METRICS,
@@ -23,31 +23,11 @@ from mismatch_probe.report.sections import (
     prob_text,
     settings_rows,
     show_blank,
-    visible,
 )
 from mismatch_probe.report.verdicts import SOURCES, Verdict, evaluate
 
 MD_DIGITS = 6  # significant digits of every number in report.md
-# Brackets escaped means no link or image can form, so parentheses stay as they are.
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]#!|~$])")  # < > & become entities instead
-_ZWSP = "\u200b"
-# What GitHub turns into a link even without Markdown link syntax (its autolink extension):
-# ``scheme://``, ``www.``, ``mailto:`` and ``xmpp:``; a zero-width space breaks each.
-_AUTOLINK = re.compile(
-    r"(?i)(?<=[a-z0-9+.-]:)(?=//)|(?<![a-z0-9])(?:www(?=\.)|mailto(?=:)|xmpp(?=:))"
-)
 VERDICT_MARK = {"PASS": "✅ PASS", "FAIL": "❌ FAIL", "n/a": "➖ n/a"}
-
-
-def escape(text: str) -> str:
-    """Model or user text -> inert Markdown for one table cell (see the module docstring)."""
-    text = _MD_SPECIAL.sub(r"\\\1", text)
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    text = _AUTOLINK.sub(lambda m: m.group(0) + _ZWSP, text)  # a bare URL never a live link
-    text = text.replace("@", "@" + _ZWSP).replace("#", "#" + _ZWSP)
-    for mark in ("✅", "❌", "➖"):  # model text never reads as a verdict (html.VERDICT_HTML)
-        text = text.replace(mark, mark + _ZWSP)
-    return visible(text)
 
 
 def table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
