@@ -47,7 +47,7 @@ def describe(flip: bool | None, rollout_lp: float, train_lp: float, known: Seque
     """The cause text of one token (``known``: routing and attribution causes found)."""
     parts = [FLIP] if flip else []
     parts += list(known)
-    if min(math.exp(rollout_lp), math.exp(train_lp)) < TAIL:
+    if min(rollout_lp, train_lp) < math.log(TAIL):  # log space: a log-prob of 710 cannot overflow
         parts.append(TAIL_TEXT)
     return ", ".join(parts) if parts else NONE
 
