@@ -340,6 +340,16 @@ def prime_off_policy_text(tmp: Path) -> tuple[list[str], str]:
     return ["prime-rl", str(src)], "rl.json: max_off_policy_steps '8' is not a non-negative"
 
 
+def _nemo_sample_mask(value: Any, message: str) -> Case:
+    def case(tmp: Path) -> tuple[list[str], str]:
+        src = write_nemo_rl(tmp / "src", synthetic_steps([1], seqs=2))
+        _rewrite_line(src / "train_data_step1.jsonl", 1, lambda o: o.update(sample_loss_mask=value))
+        return ["nemo-rl", str(src)], f"train_data_step1.jsonl:2: sample_loss_mask {message}"
+
+    case.__name__ = f"nemo_sample_loss_mask_{value!r}"
+    return case
+
+
 def _slime_sample(tmp: Path, **fields: Any) -> Path:
     src = write_slime(tmp / "src", synthetic_steps([1, 2], seqs=2))
     payload = slime_payload(2, synthetic_steps([2], seqs=2)[2])
@@ -440,6 +450,9 @@ CASES: list[Case] = [
     prime_off_policy_text,
     slime_response_lengths_list,
     slime_response_lengths_text,
+    _nemo_sample_mask(["x"], "'x' is not a number"),
+    _nemo_sample_mask([2.0], "2.0 is not within 0..1"),
+    _nemo_sample_mask([-1], "-1 is not within 0..1"),
     skyrl_pad_size_text,
     skyrl_pad_size_too_large,
     skyrl_boundary_not_a_pair,

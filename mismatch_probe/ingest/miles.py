@@ -59,6 +59,8 @@ def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
 
 def _record(sample: dict[str, Any], step: int, where: str) -> SeqRecord:
     tokens = sample.get("tokens")
+    if tokens is not None and not isinstance(tokens, list):
+        raise ProbeError(f"{where}: tokens is not a list of integers")
     if tokens is not None and sample.get("total_length") not in (None, len(tokens)):
         raise ProbeError(
             f"{where}: arrays of unequal length (tokens {len(tokens)}, "

@@ -146,12 +146,14 @@ def _sample_mask(obj: dict[str, Any], tokens: int, where: str) -> tuple[MaskRule
     value = value[0] if isinstance(value, list) and len(value) == 1 else value
     if value is None:
         return MaskRule(SAMPLE_MASK, False, _MISSING, tokens), False
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ProbeError(f"{where}: {SAMPLE_MASK} {short_repr(value)} is not a number")
     if value == 0:
         return MaskRule(SAMPLE_MASK, True, _APPLIED, tokens), True
     if value == 1:
         return MaskRule(SAMPLE_MASK, True, _APPLIED, 0), False
+    if not 0 < value < 1:
+        raise ProbeError(f"{where}: {SAMPLE_MASK} {short_repr(value)} is not within 0..1")
     return MaskRule(SAMPLE_MASK, False, _WEIGHTED, tokens), False
 
 

@@ -230,6 +230,8 @@ def int_array(values: Any, name: str, where: str) -> np.ndarray:
         raise ProbeError(f"{where}: {name} is not a list of integers") from None
     if not np.all(np.isfinite(out)) or np.any(out != np.round(out)):
         raise ProbeError(f"{where}: {name} is not a list of integers")
+    if np.any(np.abs(out) >= 2.0**63):
+        raise ProbeError(f"{where}: {name} holds an integer outside int64")
     return out.astype(np.int64)
 
 
