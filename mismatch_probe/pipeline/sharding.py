@@ -240,7 +240,9 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
                 for k in pending:
                     run_shard(worker_cfg, k, plan[k], str(out.resolve()))
                     console.print(f"shard {k} of {len(plan)} done", highlight=False)
-    return _finish(cfg, prep, out, timer)
+    result = _finish(cfg, prep, out, timer)
+    interrupt.resumable(None)  # finished: an interrupt from here on keeps nothing of the shards
+    return result
 
 
 def kept_shards(out: Path, count: int) -> str:
