@@ -6,6 +6,7 @@ before any engine starts."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from mismatch_probe import interrupt, store
 from mismatch_probe.pipeline import sharding
@@ -174,3 +176,38 @@ def test_an_interrupted_sharded_scan_says_what_it_kept(tmp_path: Path) -> None:
     finally:
         interrupt.resumable(None)
     assert "nothing written" in interrupt.Interrupted(signal.SIGINT, "startup").message()
+
+
+def test_run_sharded_registers_what_an_interrupt_keeps(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver of a sharded scan, its shards replaced (unit test of the driver): shard 0
+    finishes, the signal lands in shard 1; the message names shard 0 and --resume."""
+    from mismatch_probe.pipeline.config import ScanConfig
+    from mismatch_probe.sampling import SamplingSpec
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p {i}"}) + "\n" for i in range(4)))
+    out = tmp_path / "run"
+
+    def shard(cfg: Any, k: int, bounds: Any, where: str) -> dict[str, Any]:
+        if k == 1:
+            raise interrupt.Interrupted(signal.SIGINT, "generation")
+        tokens = Path(where) / store.TOKENS_DIR
+        dataset.shard_dir(tokens, k).mkdir(parents=True)
+        dataset.mark_done(tokens, k, {"shard": k})
+        return {}
+
+    monkeypatch.setattr(sharding, "run_shard", shard)
+    cfg = ScanConfig(
+        model=tiny_model, prompts=prompts, shards=2, out=out, sampling=SamplingSpec(max_tokens=4)
+    )
+    try:
+        with pytest.raises(interrupt.Interrupted) as info:
+            sharding.run_sharded(cfg, Console(file=io.StringIO()))
+        assert info.value.message() == (
+            f"interrupted during generation; finished shard(s) 0 of 2 kept in {out}; rerun the "
+            "same command with --resume to continue with the others"
+        )
+    finally:
+        interrupt.resumable(None)

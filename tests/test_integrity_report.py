@@ -358,3 +358,12 @@ def test_ingest_of_positive_log_probs_reports_them(tmp_path: Path, value: float)
     assert integrity["steps"]["1"] == [] and len(integrity["steps"]["2"]) == 1
     md = (result.out / store.REPORT_FILE).read_text()
     assert md.splitlines()[2] == "## Data integrity" and f"log p {value:+.4g}" in md
+
+
+def test_metrics_terminal_shows_integrity_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    run = positive_run(tmp_path / "run")
+    code, out, _ = run_probe(["metrics", str(run)], monkeypatch, capsys)
+    assert code == 0 and out.startswith("Data integrity: 1 error")
+    assert out.index("positive_logprob") < out.index("k3_kl")

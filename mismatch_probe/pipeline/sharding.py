@@ -215,7 +215,9 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
                     run_shard(worker_cfg, k, plan[k], str(out.resolve()))
                     console.print(f"shard {k} of {len(plan)} done", highlight=False)
     records = list(dataset.done_shards(out / store.TOKENS_DIR).values())
-    return scan.finish(cfg, prep, records, timer)
+    result = scan.finish(cfg, prep, records, timer)
+    interrupt.resumable(None)  # finished: an interrupt from here on keeps nothing of the shards
+    return result
 
 
 def kept_shards(out: Path, count: int) -> str:

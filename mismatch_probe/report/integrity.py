@@ -2,8 +2,8 @@
 
 ``run_integrity`` computes the findings of a run from its token store
 (``metrics.integrity.compute_integrity``) with the run metadata; ``write_integrity`` writes them
-as ``integrity.json``; ``read_integrity`` reads that file back (recomputing when it is missing or
-malformed). Renderers: ``integrity_markdown`` (report.md, report.html, the PR comment) and
+as ``integrity.json`` (``probe report`` and ``probe check`` recompute them from the store rather
+than trust the file). Renderers: ``integrity_markdown`` (report.md, report.html, the PR comment) and
 ``integrity_text`` (the terminal). A clean run is one line; each finding is one line with its
 severity, check, counts and message.
 """
@@ -49,14 +49,6 @@ def write_integrity(run_dir: Path, integrity: Integrity) -> Path:
     path = Path(run_dir) / INTEGRITY_FILE
     store.write_json(path, integrity.to_json_dict())
     return path
-
-
-def read_integrity(run_dir: Path) -> Integrity:
-    """``integrity.json`` of a run, recomputed from the store when missing or malformed."""
-    try:
-        return Integrity.from_json_dict(store.read_json(Path(run_dir) / INTEGRITY_FILE))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return run_integrity(run_dir)
 
 
 def _counts(f: Finding) -> str:
