@@ -12,9 +12,9 @@ import contextlib
 import errno
 import io
 import json
-import re
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -532,11 +532,11 @@ def test_printable() -> None:
 # --- non-finite stored numbers -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity", "1e999"])
 # A non-finite number as Python, JSON or a report would print it (not "dominant", "info").
 NON_FINITE = re.compile(r"(?i)(?<![a-z])(nan|-?inf(inity)?)(?![a-z])")
 
 
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity", "1e999"])
 def test_non_finite_metrics_json_is_recomputed(
     bad: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
