@@ -88,8 +88,8 @@ def start_or_resume(out: Path, cfg: ScanConfig, prep: Any, plan: list[tuple[int,
 
         for name in (store.TOKENS_DIR, store.SEQUENCES_DIR, store.ROUTING_DIR):
             shutil.rmtree(out / name, ignore_errors=True)
-        for name in (store.TOKENS_FILE, store.SEQUENCES_FILE):
-            (out / name).unlink(missing_ok=True)  # a single-file store would shadow the parts
+        for name in (store.TOKENS_FILE, store.SEQUENCES_FILE, store.RUN_FILE):
+            (out / name).unlink(missing_ok=True)  # would shadow the parts, or describe another run
         routes.remove_outputs(out)  # an earlier run's routing files
         store.write_json(path, record)
         return set()
@@ -184,9 +184,10 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
         prep = scan.prepare(cfg)
         out = prep.out_dir
         plan = plan_shards(len(prep.prompts), cfg.shards)
-    # Ray is joined before anything in --out is replaced: a wrong address loses nothing.
+    # Ray is joined before anything in --out is touched: a wrong address loses nothing.
     with raycluster.connected(cfg.ray) if cfg.ray is not None else nullcontext():
         with timer("prepare"):
+            store.writable_dir(out, "--out")
             done = start_or_resume(out, cfg, prep, plan)
         pending = [k for k in range(len(plan)) if k not in done]
         if done:
