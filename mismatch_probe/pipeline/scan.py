@@ -153,6 +153,15 @@ class Part:
     stale: tuple[Path, ...] = ()
 
 
+def whole_part(out: Path, prompts: int) -> Part:
+    """The one range of a whole scan: every prompt, into ``tokens.parquet`` and its siblings
+    (an earlier run's ``run.json`` is removed when they are written)."""
+    names = STORE_NAMES[False]
+    tokens, sequences = out / names["tokens"], out / names["sequences"]
+    stale = (out / store.RUN_FILE,)
+    return Part((0, prompts), tokens, sequences, out / store.ROUTING_FILE, stale=stale)
+
+
 # The token store's names: single files (one range) or one directory of parts per table.
 STORE_NAMES = {
     False: {"tokens": store.TOKENS_FILE, "sequences": store.SEQUENCES_FILE},
@@ -177,13 +186,8 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
         prep = prepare(cfg)
         out = store.writable_dir(prep.out_dir, "--out")  # every check passed: now created
     interrupt.writing_to(out, started)
-    names = STORE_NAMES[False]
-    part = Part(
-        (0, len(prep.prompts)), out / names["tokens"], out / names["sequences"],
-        out / store.ROUTING_FILE, stale=(out / store.RUN_FILE,),
-    )  # fmt: skip
     with make_progress(console) as progress:
-        record = run_range(cfg, prep, part, timer, progress, console)
+        record = run_range(cfg, prep, whole_part(out, len(prep.prompts)), timer, progress, console)
     return finish(cfg, prep, [record], timer)
 
 
