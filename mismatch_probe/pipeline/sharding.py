@@ -136,18 +136,19 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
 
     from mismatch_probe.progress import make_progress
 
-    _reset(Path(out), shard)
-    part = shard_part(Path(out), shard, bounds)
+    folder = Path(out)
+    _reset(folder, shard)
+    part = shard_part(folder, shard, bounds)
     timer = Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg, out=False)  # the driver checked --out
     console = Console(stderr=True, quiet=True)
     with make_progress(console) as progress:
         info = scan.run_range(cfg, prep, part, timer, progress, console)
-    for table_dir in (part.routing.parent.parent, part.sequences.parent.parent):
-        if dataset.shard_dir(table_dir, shard).is_dir():  # routing: an MoE model's only
-            dataset.mark_done(table_dir, shard, info)
-    tokens_dir = part.tokens.parent.parent
+    for name in (store.ROUTING_DIR, store.SEQUENCES_DIR):
+        if dataset.shard_dir(folder / name, shard).is_dir():  # routing: an MoE model's only
+            dataset.mark_done(folder / name, shard, info)
+    tokens_dir = folder / store.TOKENS_DIR
     dataset.mark_done(tokens_dir, shard, info)  # last: the shard counts as finished from here
     (dataset.shard_dir(tokens_dir, shard) / RUNNING).unlink(missing_ok=True)
     return info
