@@ -110,3 +110,30 @@ def test_a_bare_ray_flag_means_a_local_instance(monkeypatch: pytest.MonkeyPatch)
     assert scan_config(["--shards", "2", "--ray"], monkeypatch).ray == "local"
     assert scan_config(["--ray", "--shards", "2"], monkeypatch).ray == "local"
     assert scan_config(["--shards", "2", "--ray", "auto"], monkeypatch).ray == "auto"
+
+
+def test_one_function_turns_options_into_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ScanConfig.from_options`` is what the command calls: the same config from the same
+    options, ``--attribute`` defaulting the log-probability mode to raw, ``VLLM_BATCH_INVARIANT``
+    taken out of the engine arguments, a malformed list refused by name."""
+    from mismatch_probe.errors import ProbeError
+
+    args = ["--attribute", "--rollout-dtype", "float32,bfloat16", "--lm-head-fp32", "on"]
+    args += ["--vllm-arg", "max_num_seqs=4"]
+    options = {
+        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": SamplingSpec().max_tokens,
+        "seed": 0,
+        "logprobs_mode": None, "vllm_arg": ["max_num_seqs=4"], "rollout_dtype": "float32,bfloat16",
+        "train_dtype": "float32", "kv_cache_dtype": "auto", "quantization": "none",
+        "lm_head_fp32": "on", "routing_replay": "none", "attribute": True,
+    }  # fmt: skip
+    cfg = ScanConfig.from_options(**options)
+    assert cfg == scan_config(args, monkeypatch)
+    assert cfg.sampling.logprobs_mode == "raw"
+    assert (cfg.rollout_dtypes, cfg.lm_head_fp32) == (("float32", "bfloat16"), (True,))
+    invariant = ScanConfig.from_options(
+        **{**options, "vllm_arg": ["VLLM_BATCH_INVARIANT=1", "max_num_seqs=4"]}
+    )
+    assert invariant.vllm_args == {"max_num_seqs": 4} and invariant.batch_invariant
+    with pytest.raises(ProbeError, match="--train-dtype: empty element"):
+        ScanConfig.from_options(**{**options, "train_dtype": "float32,"})

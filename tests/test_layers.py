@@ -130,3 +130,17 @@ def test_no_two_modules_import_each_other() -> None:
     """A module and the one it imports are never imported the other way round (e.g. a plot
     module imports the data it draws; the data module never imports its plot)."""
     assert _cycles() == []
+
+
+def test_the_pipeline_has_no_branch_per_optional_part() -> None:
+    """The routing stage's functions are no-ops for a dense model and attribution's steps
+    without ``--attribute``: the pipeline's stages call them unconditionally."""
+    stages = ("scan.py", "engines.py", "rescoring.py")
+    branches = [
+        f"{name}:{node.lineno} {ast.unparse(node.test)}"
+        for name in stages
+        for node in ast.walk(ast.parse((PACKAGE / "pipeline" / name).read_text()))
+        if isinstance(node, ast.If | ast.IfExp)
+        and any(word in ast.unparse(node.test) for word in ("routing", "attribute"))
+    ]
+    assert branches == []

@@ -178,16 +178,14 @@ def add_train_rungs(
     runs: Sequence[RolloutRun],
     scored: dict[Setting, Rescored],
 ) -> None:
-    """Fill each ``Rescored.rungs`` with its rung columns (flat ``[N]`` arrays, rollout order);
-    nothing without ``--attribute``. The extra models load through ``rescoring.load_model``
-    (``--train-device-map``); where each ran goes to ``prep.attribution_devices``.
+    """Fill each ``Rescored.rungs`` with its rung columns (flat ``[N]`` arrays, rollout order).
+    The extra models load through ``rescoring.load_model`` (``--train-device-map``); where each
+    ran goes to ``prep.attribution_devices``.
 
     Args:
-        runs: the rollout runs that produced tokens (``RolloutRun`` with ``rungs`` set).
+        runs: the rollout runs (``RolloutRun`` with ``rungs`` set where they produced tokens).
         scored: every setting's ``Rescored`` (updated in place).
     """
-    if not cfg.attribute:
-        return
     runs = [r for r in runs if r.rollouts]  # the rollout settings that produced tokens
     l3 = _rollout_dtype_scores(cfg, prep, runs, scored)
     stale = _stale_scores(cfg, prep, runs)

@@ -47,8 +47,6 @@ from mismatch_probe.training import devices
 if TYPE_CHECKING:
     from mismatch_probe.metrics import MetricsResult
 
-__all__ = ["Timer", "check_inputs", "finish", "prepare", "run_range", "run_scan"]
-
 
 class Inputs(NamedTuple):
     """What ``check_inputs`` found: every path checked, the prompts read (not yet encoded)."""
@@ -115,8 +113,6 @@ def prepare(cfg: ScanConfig, out: bool = True) -> Prepared:
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
     longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1
     max_len = min(context, longest)
-    if inputs.out is not None:
-        store.writable_dir(inputs.out, "--out")  # every check passed: now it may be created
     return Prepared(
         model_dir,
         inputs.prompts_path,
@@ -149,6 +145,8 @@ class Part:
         bounds: ``[start, stop)`` prompt indices.
         tokens, sequences, routing: the files the range's tables are written to.
         shard: the shard number (None: the whole scan, one range).
+        stale: files an earlier run left that the range's rows make wrong (its ``run.json``,
+            removed when they are written: never beside another run's tokens).
     """
 
     bounds: tuple[int, int]
@@ -156,6 +154,16 @@ class Part:
     sequences: Path
     routing: Path
     shard: int | None = None
+    stale: tuple[Path, ...] = ()
+
+
+def whole_part(out: Path, prompts: int) -> Part:
+    """The one range of a whole scan: every prompt, into ``tokens.parquet`` and its siblings
+    (an earlier run's ``run.json`` is removed when they are written)."""
+    names = STORE_NAMES[False]
+    tokens, sequences = out / names["tokens"], out / names["sequences"]
+    stale = (out / store.RUN_FILE,)
+    return Part((0, prompts), tokens, sequences, out / store.ROUTING_FILE, stale=stale)
 
 
 # The token store's names: single files (one range) or one directory of parts per table.
@@ -180,15 +188,10 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     started = time.time()
     with timer("prepare"):
         prep = prepare(cfg)
-    out = prep.out_dir
+        out = store.writable_dir(prep.out_dir, "--out")  # every check passed: now created
     interrupt.writing_to(out, started)
-    names = STORE_NAMES[False]
-    part = Part(
-        (0, len(prep.prompts)), out / names["tokens"], out / names["sequences"],
-        out / store.ROUTING_FILE,
-    )  # fmt: skip
     with make_progress(console) as progress:
-        record = run_range(cfg, prep, part, timer, progress, console)
+        record = run_range(cfg, prep, whole_part(out, len(prep.prompts)), timer, progress, console)
     return finish(cfg, prep, [record], timer)
 
 
@@ -242,6 +245,8 @@ def run_range(
         run = run_metadata(cfg, rng, runs, timer.seconds)
         if part.shard is not None:
             run["shard"] = record
+        for path in part.stale:
+            path.unlink(missing_ok=True)
         write_tables(part.tokens, part.sequences, *store_tables(scored, prep.tokenizer), run)
         routes.write_routing(part.routing, scored, prep.routing, run)  # no-op for a dense model
     record["timings"] = dict(timer.seconds)

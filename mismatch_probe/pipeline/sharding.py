@@ -89,8 +89,8 @@ def start_or_resume(out: Path, cfg: ScanConfig, prep: Any, plan: list[tuple[int,
 
         for name in (store.TOKENS_DIR, store.SEQUENCES_DIR, store.ROUTING_DIR):
             shutil.rmtree(out / name, ignore_errors=True)
-        for name in (store.TOKENS_FILE, store.SEQUENCES_FILE):
-            (out / name).unlink(missing_ok=True)  # a single-file store would shadow the parts
+        for name in (store.TOKENS_FILE, store.SEQUENCES_FILE, store.RUN_FILE):
+            (out / name).unlink(missing_ok=True)  # would shadow the parts, or describe another run
         routes.remove_outputs(out)  # an earlier run's routing files
         store.write_json(path, record)
         return set()
@@ -139,18 +139,19 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
     from mismatch_probe.training import devices
 
     devices.check_available(cfg.train_device_map)  # this worker's devices, before its engine
-    _reset(Path(out), shard)
-    part = shard_part(Path(out), shard, bounds)
+    folder = Path(out)
+    _reset(folder, shard)
+    part = shard_part(folder, shard, bounds)
     timer = Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg, out=False)  # the driver checked --out
     console = Console(stderr=True, quiet=True)
     with make_progress(console) as progress:
         info = scan.run_range(cfg, prep, part, timer, progress, console)
-    for table_dir in (part.routing.parent.parent, part.sequences.parent.parent):
-        if dataset.shard_dir(table_dir, shard).is_dir():  # routing: an MoE model's only
-            dataset.mark_done(table_dir, shard, info)
-    tokens_dir = part.tokens.parent.parent
+    for name in (store.ROUTING_DIR, store.SEQUENCES_DIR):
+        if dataset.shard_dir(folder / name, shard).is_dir():  # routing: an MoE model's only
+            dataset.mark_done(folder / name, shard, info)
+    tokens_dir = folder / store.TOKENS_DIR
     dataset.mark_done(tokens_dir, shard, info)  # last: the shard counts as finished from here
     (dataset.shard_dir(tokens_dir, shard) / RUNNING).unlink(missing_ok=True)
     return info
@@ -194,6 +195,7 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
     )
     with joined:
         with timer("prepare"):
+            store.writable_dir(out, "--out")
             done = start_or_resume(out, cfg, prep, plan)
         pending = [k for k in range(len(plan)) if k not in done]
         interrupt.resumable(partial(kept_shards, out, len(plan)))
