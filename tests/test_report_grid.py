@@ -153,3 +153,32 @@ def test_report_setting_limits_the_report(
     assert "k3_kl" in (matrix / "metrics.json").read_text()
     metrics = (matrix / "metrics.json").read_text()
     assert re.search(r'"k3_kl": 0\.0[,\n]', metrics)
+
+
+def test_matrix_report_in_chromium(
+    matrix: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Headless Chromium (no emoji font needed): verdicts read PASS/FAIL in colour, and no
+    metric name in a header or cell wraps mid-word."""
+    from tests.browser import Browser, find_chromium
+
+    binary = find_chromium()
+    if binary is None:
+        pytest.fail("no Chromium: the report must be checked in a browser")
+    run_probe(["report", str(matrix)], monkeypatch, capsys)
+    with Browser(binary, width=700) as b:  # a narrow window squeezes the tables
+        b.open((matrix / "report.html").resolve().as_uri())
+        fails = b.evaluate(
+            "JSON.stringify(Array.from(document.querySelectorAll('.verdict.fail')).map("
+            "e => [e.textContent, getComputedStyle(e).color]))"
+        )
+        wrapped = b.evaluate(
+            "JSON.stringify(Array.from(document.querySelectorAll('th code, td code')).filter("
+            "e => e.getClientRects().length > 1).map(e => e.textContent))"
+        )
+    import json
+
+    assert json.loads(fails) and all(
+        t == "FAIL" and c == "rgb(207, 34, 46)" for t, c in json.loads(fails)
+    )
+    assert json.loads(wrapped) == []
