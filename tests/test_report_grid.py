@@ -182,3 +182,34 @@ def test_matrix_report_in_chromium(
         t == "FAIL" and c == "rgb(207, 34, 46)" for t, c in json.loads(fails)
     )
     assert json.loads(wrapped) == []
+
+
+def test_scan_summary_judges_every_setting(matrix: Path) -> None:
+    """The scan's last word (``summary.render_summary``): the grid, then a verdict column."""
+    from types import SimpleNamespace
+
+    from mismatch_probe.report.summary import render_summary
+
+    settings = {name: {**m, "rollout_tokens_per_s": 10.0} for name, m in SETTINGS}
+    result = SimpleNamespace(
+        out_dir=matrix,
+        paths={},
+        run={
+            "model": {"name": "m"},
+            "sampling": {"logprobs_mode": "raw", "temperature": 1.0, "top_p": 1.0, "top_k": -1},
+            "timings": {"generation": 1.0},
+        },
+        settings=settings,
+        skipped={},
+    )
+    console = Console(file=io.StringIO(), width=140, force_terminal=False)
+    render_summary(result, console)  # type: ignore[arg-type]
+    lines = [line.rstrip() for line in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+    assert lines[1] == f"1 of 3 settings fail a check: {FP8}."
+    assert lines[2] == "Verdicts of every setting (3 settings, failing first)"
+    table = lines[
+        lines.index("healthy when: kl |x| ≤ 0.1, f_tau_2 ≤ 0.01, max|dp| ≤ 0.5, χ² ≤ 1") + 1 :
+    ]
+    assert table[0].split()[:2] == ["setting", "verdict"]
+    assert table[1].startswith(FP32) and "✔ PASS" in table[1]
+    assert table[3].startswith(FP8) and "✘ FAIL 3/4" in table[3]
