@@ -213,3 +213,15 @@ def test_scan_summary_judges_every_setting(matrix: Path) -> None:
     assert table[0].split()[:2] == ["setting", "verdict"]
     assert table[1].startswith(FP32) and "✔ PASS" in table[1]
     assert table[3].startswith(FP8) and "✘ FAIL 3/4" in table[3]
+
+
+def test_setting_order_from_the_store_before_run_json(tmp_path: Path) -> None:
+    """A scan writes its reports before run.json: the scan's order comes from the run metadata
+    in the token store, not the alphabet (bf16 < fp32 would make bf16 the reference)."""
+    from mismatch_probe import store
+    from mismatch_probe.report.settings import setting_names
+
+    seqs = {FP32: uniform_seqs(0.0, [4]), BF16: uniform_seqs(0.01, [4])}
+    run = matrix_run(tmp_path / "m", seqs)
+    (run / store.RUN_FILE).unlink()
+    assert setting_names(run) == [FP32, BF16]

@@ -29,7 +29,12 @@ def setting_names(run_dir: Path) -> list[str]:
     present = pq.read_table(tokens, columns=["setting"]).column("setting").unique().to_pylist()
     if len(present) < 2:
         return present
-    order = _run_json(run_dir).get("settings") or sorted(present)
+    # run.json, else the run metadata in the store (a scan writes run.json after its reports)
+    order = (
+        _run_json(run_dir).get("settings")
+        or store.read_run_metadata(tokens).get("settings")
+        or sorted(present)
+    )
     return [s for s in order if s in present] + [s for s in present if s not in order]
 
 
