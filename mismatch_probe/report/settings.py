@@ -131,7 +131,7 @@ def settings_top_markdown(entries: list[Entry], reference: str) -> list[str]:
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
     """A ``## Precision settings`` section: the recommendation and the overlaid plots (the
     settings' table is at the top of the report)."""
-    plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings")
+    plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings", what="settings")
     lines = [
         f"## Precision settings overlaid ({len(entries)} settings)",
         "",
