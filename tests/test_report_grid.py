@@ -132,6 +132,10 @@ def test_report_judges_every_setting_at_the_top(
         "## Settings",
     ]
     assert f"*The sections below describe one setting, {FP32.replace('|', chr(92) + '|')}" in text
+    assert (
+        "| precisions | rollout=fp32 \\| train=fp32 (one of 3 settings; every setting is judged "
+        "in the grid) |" in text
+    )
     first_row = text.split("| --- |")[1].splitlines()[1]
     assert first_row.startswith("| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 5/8 |")
     html = (matrix / "report.html").read_text()

@@ -150,7 +150,7 @@ def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) ->
     sampling = " ".join(f"{k}={s[k]}" for k in ("temperature", "top_p", "top_k") if k in s)
     return [
         ("model", model_text(run)),
-        ("precisions", label),
+        ("precisions", precisions_text(run, label)),
         ("prompts", f"{prompts.get('count', '?')} from {file_name(prompts.get('path'))}"),
         ("chat template", yes_no(prompts.get("chat"))),
         ("sampling", sampling or "?"),
@@ -159,6 +159,15 @@ def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) ->
         ("response tokens", fmt("num_tokens", metrics.get("num_tokens", 0.0))),
         ("responses", fmt("num_sequences", metrics.get("num_sequences", 0.0))),
     ]
+
+
+def precisions_text(run: dict[str, Any], label: str) -> str:
+    """The setting described, and for a matrix run that it is one of several (all judged in
+    the grid of every setting)."""
+    settings = run.get("settings")
+    if isinstance(settings, list) and len(settings) > 1:
+        return f"{label} (one of {len(settings)} settings; every setting is judged in the grid)"
+    return label
 
 
 def model_text(run: dict[str, Any]) -> str:
