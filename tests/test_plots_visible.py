@@ -47,9 +47,8 @@ def identity_seqs(n: int = 6) -> list[Seq]:
     return [Seq([f"t{i}" for i in range(12)], lp, lp, [False] * 12) for _ in range(n)]
 
 
-@pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Every figure saved meanwhile, with the file name it was saved to."""
+def record_figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every figure saved from now on, with the file name it is saved to (a list filled in)."""
     saved: list[tuple[str, Any]] = []
     original = matplotlib.figure.Figure.savefig
 
@@ -60,6 +59,11 @@ def figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
     return saved
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    return record_figures(monkeypatch)
 
 
 def _pixels(fig: Any) -> np.ndarray:
