@@ -217,6 +217,9 @@ def test_scan_summary_judges_every_setting(matrix: Path) -> None:
     assert table[0].split()[:2] == ["setting", "verdict"]
     assert table[1].startswith(FP32) and "✔ PASS" in table[1]
     assert table[3].startswith(FP8) and "✘ FAIL 3/4" in table[3]
+    summary = next(line for line in lines[::-1] if line.startswith(FP8))  # the settings table
+    assert summary.split()[-8:] == ["100", "0.004", "-0.2", "0.5", "0.027", "0.566", "-", "10.0"]
+    # one format per metric: f_tau_2 reads 0.027 in the grid and the table (no "2.700%")
 
 
 def test_setting_order_from_the_store_before_run_json(tmp_path: Path) -> None:
