@@ -18,6 +18,7 @@ from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.scan import run_scan
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import RolloutSetting, Setting
+from tests.test_plots_visible import check_all, record_figures
 
 pytestmark = pytest.mark.engine
 
@@ -139,3 +140,25 @@ def test_matrix_report_shows_settings_side_by_side(matrix: Any) -> None:
     for kind in ("ratio_hist", "position", "f_tau"):
         assert (matrix.out_dir / "plots" / "settings" / f"compare_{kind}.png").is_file()
         assert f"plots/settings/compare_{kind}.png" in section
+
+
+def test_matrix_store_has_typed_setting_columns(matrix: Any) -> None:
+    path = matrix.out_dir / store.TOKENS_FILE
+    fp8 = pq.read_table(path, columns=["setting"], filters=[("kv_cache_dtype", "=", "fp8")])
+    assert set(fp8.column("setting").to_pylist()) == {n for n in matrix.settings if "kv=fp8" in n}
+    bf16 = pq.read_table(path, columns=["setting"], filters=[("rollout_dtype", "=", "bfloat16")])
+    assert set(bf16.column("setting").to_pylist()) == {n for n in matrix.settings if "bf16" in n}
+
+
+def test_matrix_plots_show_every_series(matrix: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real scan's report, its first setting the identity (fp32/fp32): every series of every
+    plot, the settings' overlays included, is visible (``test_plots_visible``)."""
+    from mismatch_probe.report import write_report
+
+    assert next(iter(json.loads((matrix.out_dir / "run.json").read_text())["settings"])) == name(
+        "float32"
+    )
+    figures = record_figures(monkeypatch)
+    write_report(matrix.out_dir)
+    overlays = {f"compare_{kind}.png" for kind in ("ratio_hist", "position", "f_tau")}
+    check_all(figures, overlays | {"f_tau.png", "position.png", "ratio_hist.png"})

@@ -47,9 +47,8 @@ def identity_seqs(n: int = 6) -> list[Seq]:
     return [Seq([f"t{i}" for i in range(12)], lp, lp, [False] * 12) for _ in range(n)]
 
 
-@pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Every figure saved meanwhile, with the file name it was saved to."""
+def record_figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every figure saved from now on, with the file name it is saved to (a list filled in)."""
     saved: list[tuple[str, Any]] = []
     original = matplotlib.figure.Figure.savefig
 
@@ -60,6 +59,11 @@ def figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
     return saved
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    return record_figures(monkeypatch)
 
 
 def _pixels(fig: Any) -> np.ndarray:
@@ -138,8 +142,8 @@ def check_all(figures: list[tuple[str, Any]], expected: set[str]) -> None:
     failures = {name: invisible_series(fig) for name, fig in figures}
     assert {name: bad for name, bad in failures.items() if bad} == {}
     # a figure without a visible series says in its legend that its data is zero everywhere
-    empty = [name for name, fig in figures if not any(_drawn(ax) for ax in fig.axes)]
-    unexplained = [name for name, fig in figures if name in empty and not _says_zero(fig)]
+    empty = [(name, fig) for name, fig in figures if not any(_drawn(ax) for ax in fig.axes)]
+    unexplained = [name for name, fig in empty if not _says_zero(fig)]
     assert unexplained == []
 
 
@@ -167,4 +171,15 @@ def test_compare_plots_show_every_series(tmp_path: Path, figures: list[tuple[str
     first = make_run(tmp_path / "fp32", identity_seqs(), setting=IDENTITY)
     second = make_run(tmp_path / "bf16", spread_seqs(0.05), setting=BF16)
     write_comparison(load_comparison([first, second]), tmp_path / "cmp")
+    check_all(figures, {f"compare_{n}.png" for n in ("ratio_hist", "position", "f_tau")})
+
+
+def test_compare_of_matrix_runs_plots_show_every_series(
+    tmp_path: Path, figures: list[tuple[str, Any]]
+) -> None:
+    """Two matrix runs, the identity first in both: one set of overlays per paired setting."""
+    base = matrix_run(tmp_path / "base", {IDENTITY: identity_seqs(), BF16: spread_seqs(0.004)})
+    head = matrix_run(tmp_path / "head", {IDENTITY: identity_seqs(), BF16: spread_seqs(0.02)})
+    write_comparison(load_comparison([base, head]), tmp_path / "cmp")
+    assert len(figures) == 6  # 3 overlays x 2 settings
     check_all(figures, {f"compare_{n}.png" for n in ("ratio_hist", "position", "f_tau")})

@@ -132,6 +132,10 @@ def test_report_judges_every_setting_at_the_top(
         "## Settings",
     ]
     assert f"*The sections below describe one setting, {FP32.replace('|', chr(92) + '|')}" in text
+    assert (
+        "| precisions | rollout=fp32 \\| train=fp32 (one of 3 settings; every setting is judged "
+        "in the grid) |" in text
+    )
     first_row = text.split("| --- |")[1].splitlines()[1]
     assert first_row.startswith("| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 5/8 |")
     html = (matrix / "report.html").read_text()
@@ -153,3 +157,78 @@ def test_report_setting_limits_the_report(
     assert "k3_kl" in (matrix / "metrics.json").read_text()
     metrics = (matrix / "metrics.json").read_text()
     assert re.search(r'"k3_kl": 0\.0[,\n]', metrics)
+
+
+def test_matrix_report_in_chromium(
+    matrix: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Headless Chromium (no emoji font needed): verdicts read PASS/FAIL in colour, and no
+    metric name in a header or cell wraps mid-word."""
+    from tests.browser import Browser, find_chromium
+
+    binary = find_chromium()
+    if binary is None:
+        pytest.fail("no Chromium: the report must be checked in a browser")
+    run_probe(["report", str(matrix)], monkeypatch, capsys)
+    with Browser(binary, width=700) as b:  # a narrow window squeezes the tables
+        b.open((matrix / "report.html").resolve().as_uri())
+        fails = b.evaluate(
+            "JSON.stringify(Array.from(document.querySelectorAll('.verdict.fail')).map("
+            "e => [e.textContent, getComputedStyle(e).color]))"
+        )
+        wrapped = b.evaluate(
+            "JSON.stringify(Array.from(document.querySelectorAll('th code, td code')).filter("
+            "e => e.getClientRects().length > 1).map(e => e.textContent))"
+        )
+    import json
+
+    assert json.loads(fails) and all(
+        t == "FAIL" and c == "rgb(207, 34, 46)" for t, c in json.loads(fails)
+    )
+    assert json.loads(wrapped) == []
+
+
+def test_scan_summary_judges_every_setting(matrix: Path) -> None:
+    """The scan's last word (``summary.render_summary``): the grid, then a verdict column."""
+    from types import SimpleNamespace
+
+    from mismatch_probe.report.summary import render_summary
+
+    settings = {name: {**m, "rollout_tokens_per_s": 10.0} for name, m in SETTINGS}
+    result = SimpleNamespace(
+        out_dir=matrix,
+        paths={},
+        run={
+            "model": {"name": "m"},
+            "sampling": {"logprobs_mode": "raw", "temperature": 1.0, "top_p": 1.0, "top_k": -1},
+            "timings": {"generation": 1.0},
+        },
+        settings=settings,
+        skipped={},
+    )
+    console = Console(file=io.StringIO(), width=140, force_terminal=False)
+    render_summary(result, console)  # type: ignore[arg-type]
+    lines = [line.rstrip() for line in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+    assert lines[1] == f"1 of 3 settings fail a check: {FP8}."
+    assert lines[2] == "Verdicts of every setting (3 settings, failing first)"
+    table = lines[
+        lines.index("healthy when: kl |x| ≤ 0.1, f_tau_2 ≤ 0.01, max|dp| ≤ 0.5, χ² ≤ 1") + 1 :
+    ]
+    assert table[0].split()[:2] == ["setting", "verdict"]
+    assert table[1].startswith(FP32) and "✔ PASS" in table[1]
+    assert table[3].startswith(FP8) and "✘ FAIL 3/4" in table[3]
+    summary = next(line for line in lines[::-1] if line.startswith(FP8))  # the settings table
+    assert summary.split()[-8:] == ["100", "0.004", "-0.2", "0.5", "0.027", "0.566", "-", "10.0"]
+    # one format per metric: f_tau_2 reads 0.027 in the grid and the table (no "2.700%")
+
+
+def test_setting_order_from_the_store_before_run_json(tmp_path: Path) -> None:
+    """A scan writes its reports before run.json: the scan's order comes from the run metadata
+    in the token store, not the alphabet (bf16 < fp32 would make bf16 the reference)."""
+    from mismatch_probe import store
+    from mismatch_probe.report.settings import setting_names
+
+    seqs = {FP32: uniform_seqs(0.0, [4]), BF16: uniform_seqs(0.01, [4])}
+    run = matrix_run(tmp_path / "m", seqs)
+    (run / store.RUN_FILE).unlink()
+    assert setting_names(run) == [FP32, BF16]

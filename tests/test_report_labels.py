@@ -46,6 +46,8 @@ def test_model_source_of_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyP
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert models.model_source(plain) == "checkpoint (bfloat16)"
+    (plain / "config.json").write_text(json.dumps({"dtype": "float16"}))  # newer transformers
+    assert models.model_source(plain) == "checkpoint (float16)"
     (plain / models.SOURCE_FILE).write_text(json.dumps({"source": "GGUF Q5_0 dequantized"}))
     assert models.model_source(plain) == "GGUF Q5_0 dequantized"
 

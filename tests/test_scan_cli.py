@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -310,8 +311,18 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
 
     tokens = pq.read_table(out / store.TOKENS_FILE)
     sequences = pq.read_table(out / store.SEQUENCES_FILE)
-    assert tokens.schema.remove_metadata() == store.TOKEN_SCHEMA
-    assert sequences.schema.remove_metadata() == store.SEQUENCE_SCHEMA
+    typed = [f.name for f in store.SETTING_FIELDS]  # the setting as typed columns
+    assert tokens.schema.remove_metadata() == pa.schema(
+        [*store.TOKEN_SCHEMA, *store.SETTING_FIELDS]
+    )
+    assert sequences.schema.remove_metadata() == pa.schema(
+        [*store.SEQUENCE_SCHEMA, *store.SETTING_FIELDS]
+    )
+    assert tokens.select(typed).slice(0, 1).to_pylist() == [
+        {"rollout_dtype": "float32", "kv_cache_dtype": "auto", "quantization": "none",
+         "lm_head_fp32": False, "train_dtype": "float32", "routing_replay": "none"}
+    ]  # fmt: skip
+    assert b"nats" in tokens.schema.field("train_logprob").metadata[b"description"]
     assert sequences.num_rows == 6
     lengths = sequences.column("response_length").to_pylist()
     assert tokens.num_rows == sum(lengths)

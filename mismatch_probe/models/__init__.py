@@ -91,7 +91,8 @@ def model_source(model_dir: Path) -> str:
     if model_dir.parent == models:  # resolve_model's "<gguf stem>-<digest>"
         return gguf_source(model_dir.name.rsplit("-", 1)[0])
     try:
-        dtype = json.loads((model_dir / "config.json").read_text()).get("torch_dtype")
+        config = json.loads((model_dir / "config.json").read_text())
+        dtype = config.get("torch_dtype") or config.get("dtype")
     except (OSError, ValueError, AttributeError):
         dtype = None
     return f"checkpoint ({dtype})" if dtype else "checkpoint"

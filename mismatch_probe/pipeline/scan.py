@@ -37,7 +37,7 @@ from mismatch_probe.pipeline import attribution, engines, rescoring, routes
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
 from mismatch_probe.pipeline.runinfo import run_metadata, run_record
-from mismatch_probe.pipeline.tables import sequence_table, token_table
+from mismatch_probe.pipeline.tables import sequence_table, token_table, with_setting_columns
 from mismatch_probe.pipeline.timing import Timer
 from mismatch_probe.progress import make_progress
 from mismatch_probe.prompts import Prompt, default_prompts_path, encode_prompts, load_prompts
@@ -351,8 +351,10 @@ def store_tables(scored: dict[Setting, Rescored], tokenizer: Any) -> tuple[pa.Ta
     tokens, sequences = [], []
     for setting, r in scored.items():
         table = token_table(setting.name, r.rollouts, r.scored, tokenizer, r.seq_offset)
-        tokens.append(attribution.with_rungs(table, r.rungs) if r.rungs else table)
-        sequences.append(sequence_table(setting.name, r.rollouts, tokenizer, r.seq_offset))
+        table = attribution.with_rungs(table, r.rungs) if r.rungs else table
+        tokens.append(with_setting_columns(table, setting))
+        seqs = sequence_table(setting.name, r.rollouts, tokenizer, r.seq_offset)
+        sequences.append(with_setting_columns(seqs, setting))
     return pa.concat_tables(tokens, promote_options="default"), pa.concat_tables(sequences)
 
 
@@ -371,7 +373,7 @@ def write_tables(
 ) -> None:
     """The two tables of ``store_tables`` into their files (or a shard's parts), atomically."""
     store.write_table(tokens_path, tokens, store.token_schema(tokens.column_names), run)
-    store.write_table(sequences_path, sequences, store.SEQUENCE_SCHEMA, run)
+    store.write_table(sequences_path, sequences, store.sequence_schema(sequences.column_names), run)
 
 
 def setting_metrics(tokens: Path, settings: Iterable[Setting]) -> dict[Setting, MetricsResult]:

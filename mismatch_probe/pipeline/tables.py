@@ -8,7 +8,25 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_probe.engine.rollout import Rollout
+from mismatch_probe.settings import Setting
 from mismatch_probe.training.rescore import Scored
+
+
+def with_setting_columns(table: pa.Table, setting: Setting) -> pa.Table:
+    """``table`` (rows of one setting) with the typed setting columns (``store.SETTING_FIELDS``):
+    each row says what ran without parsing the ``setting`` string."""
+    values = {
+        "rollout_dtype": setting.rollout.dtype,
+        "kv_cache_dtype": setting.rollout.kv_cache_dtype,
+        "quantization": setting.rollout.quantization,
+        "lm_head_fp32": setting.rollout.lm_head_fp32,
+        "train_dtype": setting.train_dtype,
+        "routing_replay": setting.replay,
+    }
+    for name, value in values.items():
+        kind = pa.bool_() if isinstance(value, bool) else pa.string()
+        table = table.append_column(name, pa.array([value] * table.num_rows, kind))
+    return table
 
 
 def token_table(

@@ -150,13 +150,20 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """For a matrix run every setting judged first, then the terminal report (of the reference
     setting, which its header names)."""
+    from rich.text import Text
+
     from mismatch_probe.report import attribution
+    from mismatch_probe.report.sections import visible
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.report.trend import load_trend, render_table
 
     if entries and len(entries) > 1:
         render_settings(entries, console)
+        note = (
+            f"The report below describes one setting, {ctx.label}; every setting is judged above."
+        )
+        console.print(Text(visible(note), style="italic"), highlight=False)
     render_run(ctx, console)
     trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
     if trend is not None:

@@ -37,7 +37,7 @@ FLIP, ROUTING, TAIL_TEXT, NONE = (
 )
 LEGEND = (
     f"Cause: {FLIP} (the top-k/top-p boundary moved), {ROUTING} (different experts in some "
-    "layer), the attribution's dominant link for the token (with --attribute), "
+    "layer), the attribution's largest link for the token (with --attribute), "
     f"{TAIL_TEXT} (p < {TAIL:g} on either side); {NONE} when none applies."
 )
 Key = tuple[int, int]  # (seq_id, position)

@@ -306,9 +306,11 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
 
 
 def overlay_plots(
-    entries: list[Entry], out_dir: Path, setting: str | None = None
+    entries: list[Entry], out_dir: Path, setting: str | None = None, what: str = "runs"
 ) -> dict[str, tuple[Path, str]]:
-    """One PNG per ``OVERLAYS`` kind with every entry's curve; name -> (path, title)."""
+    """One PNG per ``OVERLAYS`` kind with every entry's curve; name -> (path, title).
+    ``what`` the entries are (``runs``, ``settings``) and ``setting`` (the one the runs are
+    compared on) go into the subtitle."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for name, (title, draw) in OVERLAYS.items():
@@ -316,7 +318,7 @@ def overlay_plots(
         for e in entries:
             draw(ax, e.curves, label=e.label)
         ax.legend(fontsize=8)
-        subtitle = f"{len(entries)} runs; first: {entries[0].label}"
+        subtitle = f"{len(entries)} {what}; first: {entries[0].label}"
         subtitle = visible(f"{setting}: {subtitle}" if setting else subtitle)
         written[name] = (save(fig, out_dir / f"compare_{name}.png", title, subtitle), title)
     return written

@@ -268,7 +268,10 @@ def setting_names(run_dir: Path, order: list[str] | None = None) -> list[str]:
     present = pq.read_table(tokens, columns=["setting"]).column("setting").unique().to_pylist()
     if len(present) < 2:
         return present
-    order = order or _recorded_order(run_dir) or sorted(present)
+    # The store's own run metadata first: written with its rows, never an earlier run's (a scan
+    # writes run.json after its reports).
+    recorded = store.read_run_metadata(tokens).get("settings")
+    order = order or recorded or _recorded_order(run_dir) or sorted(present)
     return [s for s in order if s in present] + [s for s in present if s not in order]
 
 

@@ -164,7 +164,7 @@ def settings_rows(run: dict[str, Any], label: str, metrics: dict[str, float]) ->
     sampling = " ".join(f"{k}={s[k]}" for k in ("temperature", "top_p", "top_k") if k in s)
     return [
         ("model", model_text(run)),
-        ("precisions", label),
+        ("precisions", precisions_text(run, label)),
         ("prompts", f"{prompts.get('count', '?')} from {file_name(prompts.get('path'))}"),
         ("chat template", yes_no(prompts.get("chat"))),
         ("sampling", sampling or "?"),
@@ -182,6 +182,15 @@ def steps_cell(counts: dict[str, Any]) -> str:
     if untrained:
         text += f"; no trained token at step {', '.join(str(s) for s in untrained)}"
     return text
+
+
+def precisions_text(run: dict[str, Any], label: str) -> str:
+    """The setting described, and for a matrix run that it is one of several (all judged in
+    the grid of every setting)."""
+    settings = run.get("settings")
+    if isinstance(settings, list) and len(settings) > 1:
+        return f"{label} (one of {len(settings)} settings; every setting is judged in the grid)"
+    return label
 
 
 def model_text(run: dict[str, Any]) -> str:

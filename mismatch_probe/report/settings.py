@@ -17,7 +17,7 @@ from rich.text import Text
 from mismatch_probe import store
 from mismatch_probe.report.compare import Entry, overlay_plots
 from mismatch_probe.report.context import setting_names
-from mismatch_probe.report.markdown import escape
+from mismatch_probe.report.markdown import escape, num
 from mismatch_probe.report.sections import visible
 
 
@@ -80,11 +80,16 @@ def setting_entries(
     return sorted(entries, key=lambda e: e.metrics["k3_kl"])
 
 
-def recommendation(entries: list[Entry]) -> str:
+def recommendation(entries: list[Entry], number: Any = None) -> str:
+    """``Lowest mismatch: SETTING (k3_kl ..., N rollout tokens/s).``; ``number(key, value)``
+    writes the metric as the format around it does (``sections.fmt`` by default)."""
+    from mismatch_probe.report.sections import fmt
+
+    number = number or fmt
     best = entries[0]
     speed = best.metrics.get("rollout_tokens_per_s")
     cost = f", {speed:.1f} rollout tokens/s" if speed else ""
-    return f"Lowest mismatch: {best.label} (k3_kl {best.metrics['k3_kl']:.3g}{cost})."
+    return f"Lowest mismatch: {best.label} (k3_kl {number('k3_kl', best.metrics['k3_kl'])}{cost})."
 
 
 def judged(entries: list[Entry]) -> list[Any]:
@@ -120,11 +125,11 @@ def settings_top_markdown(entries: list[Entry], reference: str) -> list[str]:
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
     """A ``## Precision settings`` section: the recommendation and the overlaid plots (the
     settings' table is at the top of the report)."""
-    plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings")
+    plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings", what="settings")
     lines = [
         f"## Precision settings overlaid ({len(entries)} settings)",
         "",
-        f"**{escape(recommendation(entries))}**",
+        f"**{escape(recommendation(entries, num))}**",
         "",
     ]
     for path, title in plots.values():

@@ -19,7 +19,7 @@ from mismatch_probe import store
 from mismatch_probe.report import attribution
 from mismatch_probe.report.grid import TERMINAL_STYLE, grid_table, headline, judge
 from mismatch_probe.report.routing import load, summary_lines
-from mismatch_probe.report.sections import visible
+from mismatch_probe.report.sections import fmt, visible
 
 
 class ScanOutcome(Protocol):
@@ -32,15 +32,16 @@ class ScanOutcome(Protocol):
     skipped: dict[str, str]  # rollout setting name -> reason
 
 
-# (metric key, column header, format) in display order.
-KEY_METRICS: tuple[tuple[str, str, str], ...] = (
-    ("num_tokens", "tokens", "{:,.0f}"),
-    ("k3_kl", "k3_kl", "{:.2e}"),
-    ("kl", "kl", "{:.2e}"),
-    ("chi2_token", "chi2_token", "{:.2e}"),
-    ("f_tau_2", "ratio outside [0.5,2]", "{:.3%}"),
-    ("prob_abs_diff_max", "max |dp|", "{:.4f}"),
-    ("support_flip_fraction", "flips", "{:.2%}"),
+# (metric key, column header, format) in display order; None: the reports' own format
+# (``sections.fmt``), so a metric reads the same in the summary as in the grid above it.
+KEY_METRICS: tuple[tuple[str, str, str | None], ...] = (
+    ("num_tokens", "tokens", None),
+    ("k3_kl", "k3_kl", None),
+    ("kl", "kl", None),
+    ("chi2_token", "chi2_token", None),
+    ("f_tau_2", "f_tau_2", None),
+    ("prob_abs_diff_max", "max |dp|", None),
+    ("support_flip_fraction", "flips", None),
     ("rollout_tokens_per_s", "rollout tok/s", "{:.1f}"),
 )
 PHASES = (
@@ -82,7 +83,7 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
     if len(ranked) > 1:
         best, metrics = ranked[0]
         console.print(
-            f"lowest mismatch: [bold]{_safe(best)}[/] (k3_kl {metrics['k3_kl']:.2e}, "
+            f"lowest mismatch: [bold]{_safe(best)}[/] (k3_kl {fmt('k3_kl', metrics['k3_kl'])}, "
             f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
             highlight=False,
         )
@@ -108,11 +109,17 @@ def settings_table(ranked: list[tuple[str, dict[str, Any]]]) -> Table:
         table.add_column(header, justify="right", no_wrap=True)
     for judged in (judge([item])[0] for item in ranked):
         metrics = judged.metrics
-        cells = [fmt.format(metrics[key]) if key in metrics else "-" for key, _, fmt in KEY_METRICS]
+        cells = [_cell(key, form, metrics) for key, _, form in KEY_METRICS]
         mark, style = TERMINAL_STYLE[judged.status]
         verdict = Text(f"{mark} {judged.summary()}", style=style)
         table.add_row(Text(visible(judged.setting)), verdict, *cells)
     return table
+
+
+def _cell(key: str, form: str | None, metrics: dict[str, float]) -> str:
+    if key not in metrics:
+        return "-"
+    return form.format(metrics[key]) if form else fmt(key, metrics[key])
 
 
 def _safe(text: Any) -> str:

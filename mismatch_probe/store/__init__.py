@@ -84,9 +84,89 @@ RUNG_FIELDS = (
 )
 
 
+# The precision setting of each row as typed columns (the ``setting`` string parsed), written by
+# scans so that pandas / polars / duckdb filter without parsing; nullable, and absent from stores
+# written before them or by ``probe ingest`` (readers never need them).
+SETTING_FIELDS = (
+    pa.field("rollout_dtype", pa.string()),  # float32 | float16 | bfloat16
+    pa.field("kv_cache_dtype", pa.string()),  # auto | fp8 | fp8_e4m3 | fp8_e5m2
+    pa.field("quantization", pa.string()),  # none | fp8 (rollout weights)
+    pa.field("lm_head_fp32", pa.bool_()),  # the engine's LM head in float32
+    pa.field("train_dtype", pa.string()),  # the training forward's dtype
+    pa.field("routing_replay", pa.string()),  # none | rollout (MoE routing replay, R3)
+)
+
+
 def token_schema(names: Sequence[str]) -> pa.Schema:
-    """``TOKEN_SCHEMA`` plus the rung fields among ``names``."""
-    return pa.schema([*TOKEN_SCHEMA, *(f for f in RUNG_FIELDS if f.name in names)])
+    """``TOKEN_SCHEMA`` plus the rung and setting fields among ``names``."""
+    extra = [f for f in (*RUNG_FIELDS, *SETTING_FIELDS) if f.name in names]
+    return pa.schema([*TOKEN_SCHEMA, *extra])
+
+
+def sequence_schema(names: Sequence[str]) -> pa.Schema:
+    """``SEQUENCE_SCHEMA`` plus the setting fields among ``names``."""
+    return pa.schema([*SEQUENCE_SCHEMA, *(f for f in SETTING_FIELDS if f.name in names)])
+
+
+# What each column holds, in words, stored as each Parquet field's ``description`` metadata
+# (``describe_fields``): log-probabilities are natural logs (nats); ``{rollout}`` and
+# ``{rescoring}`` are filled from the run's sampling metadata.
+FIELD_DESCRIPTIONS: dict[str, str] = {
+    "setting": "precision setting, rollout engine | training forward, e.g. "
+    "'rollout=bf16,kv=fp8 | train=fp32' (parsed in rollout_dtype ... routing_replay)",
+    "seq_id": "response id, unique in the store (each setting has its own range)",
+    "prompt_id": "line index of the prompt in the prompts file",
+    "sample_id": "sample of the prompt, 0 .. samples_per_prompt - 1",
+    "position": "0-based position of the token in the response",
+    "token_id": "id of the sampled token",
+    "token_text": "the token decoded on its own (for reports)",
+    "rollout_logprob": "log-probability of the sampled token reported by the inference engine "
+    "(natural log, nats; {rollout})",
+    "train_logprob": "log-probability of the same token under the training forward pass "
+    "(natural log, nats; {rescoring} logits); r = train_logprob - rollout_logprob",
+    "support_flip": "the token sat at the top-k/top-p boundary (it could leave the sampled set)",
+    "engine_prefill_logprob": "attribution rung L1: engine prefill, sequences batched (nats)",
+    "engine_prefill_single_logprob": "attribution rung L2: engine prefill, one sequence per "
+    "engine step (nats)",
+    "train_rollout_dtype_logprob": "attribution rung L3: transformers at the rollout dtype (nats)",
+    "stale_logprob": "attribution rung L5: --stale-model at the training dtype (nats)",
+    "train_no_replay_logprob": "MoE replay setting: the training forward with its own routes "
+    "(nats)",
+    "rollout_dtype": "dtype of the rollout engine (float32, float16, bfloat16)",
+    "kv_cache_dtype": "KV-cache dtype of the rollout engine (auto = the model dtype)",
+    "quantization": "weight quantization of the rollout engine (none, fp8)",
+    "lm_head_fp32": "the rollout engine's LM head ran in float32",
+    "train_dtype": "dtype of the training forward pass",
+    "routing_replay": "MoE routing replay in the training forward (none, rollout)",
+    "prompt_text": "the prompt as the engine saw it (after the chat template)",
+    "response_text": "the sampled response",
+    "prompt_length": "prompt length in tokens",
+    "response_length": "response length in tokens",
+    "finish_reason": "why generation stopped (stop, length, ...)",
+    "step": "training step of an ingested run",
+}
+
+
+def describe_fields(schema: pa.Schema, run: dict[str, Any]) -> pa.Schema:
+    """``schema`` with a ``description`` on every field ``FIELD_DESCRIPTIONS`` knows, the
+    log-prob mode of the run filled in (``run.json`` sampling)."""
+    found = run.get("sampling")
+    sampling: dict[str, Any] = found if isinstance(found, dict) else {}
+    mode = sampling.get("logprobs_mode")
+    values = {
+        "rollout": sampling.get("rollout_logprobs")
+        or (f"{mode} log-probs" if mode else "as given"),
+        "rescoring": sampling.get("rescoring") or "see run.json sampling for the",
+    }
+    fields = []
+    for field in schema:
+        text = FIELD_DESCRIPTIONS.get(field.name)
+        if text is not None:
+            meta = dict(field.metadata or {})
+            meta[b"description"] = text.format(**values).encode()
+            field = field.with_metadata(meta)
+        fields.append(field)
+    return pa.schema(fields, metadata=schema.metadata)
 
 
 # The columns a metrics reader needs; any Parquet file with these can be analysed.
@@ -138,7 +218,7 @@ COLUMN_KINDS: dict[str, tuple[Any, str]] = {
 
 
 def _with_metadata(schema: pa.Schema, run: dict[str, Any]) -> pa.Schema:
-    return schema.with_metadata(
+    return describe_fields(schema, run).with_metadata(
         {META_KEY: json.dumps(run, sort_keys=True, default=str), VERSION_KEY: SCHEMA_VERSION}
     )
 
