@@ -21,12 +21,15 @@ from tests.test_report_fixtures import matrix_run, uniform_seqs
 FP32 = "rollout=fp32 | train=fp32"
 BF16 = "rollout=bf16 | train=fp32"
 FP8 = "rollout=bf16,kv=fp8 | train=fp32"
+# The data-integrity line every check prints first (these stores are clean).
+CLEAN = "✔ Data integrity: clean (no placeholder, shifted, copied, positive or non-finite log-prob)"
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """fp32 (r = 0, the identity, first), bf16 (r = 0.01), bf16 with an fp8 KV cache (r = 0.8)."""
-    settings = {FP32: 0.0, BF16: 0.01, FP8: 0.8}
+    """fp32 (r = 0, the identity, first), bf16 (r = 0.01), bf16 with an fp8 KV cache (r = -0.8:
+    train below rollout, so no log-prob rises above 0)."""
+    settings = {FP32: 0.0, BF16: 0.01, FP8: -0.8}
     seqs = {name: uniform_seqs(r, [4, 6]) for name, r in settings.items()}
     return str(matrix_run(tmp_path_factory.mktemp("check") / "m", seqs))
 
@@ -42,6 +45,7 @@ def test_every_setting_is_gated_and_each_failure_named(
     code, out = check([matrix, "--max", "f_tau_2=0.01", "--max", "k3_kl=1e-3"], monkeypatch, capsys)
     assert code == 1
     assert out.splitlines() == [
+        CLEAN,
         f"✔ setting {FP32}",
         "  ✔ PASS  f_tau_2 = 0 ≤ 0.01 (max)",
         "  ✔ PASS  k3_kl = 0 ≤ 0.001 (max)",
@@ -50,7 +54,7 @@ def test_every_setting_is_gated_and_each_failure_named(
         "  ✔ PASS  k3_kl = 5.0167e-05 ≤ 0.001 (max)",  # e^0.01 - 1.01
         f"✘ setting {FP8}",
         "  ✘ FAIL  f_tau_2 = 1 > 0.01 (max) by 0.99, 100× the bound",
-        "  ✘ FAIL  k3_kl = 0.425541 > 0.001 (max) by 0.4245, 426× the bound",  # e^0.8 - 1.8
+        "  ✘ FAIL  k3_kl = 0.249329 > 0.001 (max) by 0.2483, 249× the bound",  # e^-0.8 - 0.2
         f"2 of 6 bounds failed in 3 settings: 1 setting failed: {FP8} (f_tau_2, k3_kl)",
     ]
 
@@ -60,6 +64,7 @@ def test_setting_limits_the_gate(matrix: str, monkeypatch: pytest.MonkeyPatch, c
     code, out = check(args, monkeypatch, capsys)
     assert code == 0
     assert out.splitlines() == [  # the scan's order, whatever the options' order
+        CLEAN,
         f"✔ setting {FP32}",
         "  ✔ PASS  f_tau_2 = 0 ≤ 0.01 (max)",
         f"✔ setting {BF16}",
@@ -91,6 +96,7 @@ def test_growth_is_gated_per_setting_paired_by_name(
     code, out = check(args, monkeypatch, capsys)
     assert code == 1
     assert out.splitlines() == [
+        CLEAN,
         f"baseline {base}",
         f"✔ setting {FP32}",
         "  ✔ PASS  k3_kl = 0 vs baseline 0: from 0 ≤ ×2 (max increase)",

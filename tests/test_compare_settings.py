@@ -39,7 +39,7 @@ def matrices(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         {
             FP32: uniform_seqs(0.0, [4, 6]),
             BF16: uniform_seqs(0.03, [4, 6]),
-            FP8: uniform_seqs(0.8, [4, 6]),
+            FP8: uniform_seqs(-0.8, [4, 6]),
         },
     )
     return base, head

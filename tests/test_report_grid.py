@@ -111,10 +111,10 @@ def test_html_verdicts_are_words_with_a_class() -> None:
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The identity first (r = 0), bf16 (r = 0.01), bf16 with an fp8 KV cache (r = 0.8: every
+    """The identity first (r = 0), bf16 (r = 0.01), bf16 with an fp8 KV cache (r = -0.8: every
     token's ratio outside [0.5, 2], so f_tau_2 = 1 fails)."""
     seqs = {FP32: uniform_seqs(0.0, [4, 6]), BF16: uniform_seqs(0.01, [4, 6])}
-    seqs[FP8] = uniform_seqs(0.8, [4, 6])
+    seqs[FP8] = uniform_seqs(-0.8, [4, 6])
     return matrix_run(tmp_path_factory.mktemp("grid") / "m", seqs)
 
 
@@ -137,10 +137,10 @@ def test_report_judges_every_setting_at_the_top(
         "in the grid) |" in text
     )
     first_row = text.split("| --- |")[1].splitlines()[1]
-    assert first_row.startswith("| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 5/8 |")
+    assert first_row.startswith("| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 4/8 |")
     html = (matrix / "report.html").read_text()
     assert html.index("Every setting judged") < html.index("<h2>Verdicts</h2>")
-    assert '<span class="verdict fail">FAIL</span> 5/8' in html
+    assert '<span class="verdict fail">FAIL</span> 4/8' in html
 
 
 def test_report_setting_limits_the_report(
