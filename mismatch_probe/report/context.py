@@ -12,7 +12,7 @@ Sign convention: ``r = train_logprob - rollout_logprob``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,13 +22,15 @@ import pyarrow.parquet as pq
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
+from mismatch_probe.metrics.stream import STRUCTURED_KEYS, flat_part
 
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
 CAUSES = {True: "support flip", False: "numeric drift", None: "unknown"}
 # What a stored metrics.json must hold to be reused (else the metrics are recomputed).
 CURVES = ("f_tau", "log_ratio_hist", "position_bins", "prob_hist2d", "rollout_prob_bins",
-          "seq_log_ratio_vs_length", "worst_tokens")  # fmt: skip
+          "seq_log_ratio_vs_length", "worst_tokens", "seq_weight_hist", "entropy")  # fmt: skip
+TABLES = ("threshold_sweep", "outliers")  # ... and these lists of records (spec section 7)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class RunContext:
         worst: the worst tokens, largest ``|r|`` first, with their text.
         setting: the ``setting`` the metrics cover when one was chosen (a store may hold
             several); None for the whole store.
+        tables: the lists of records of spec section 7 (``threshold_sweep``, ``outliers``).
     """
 
     run_dir: Path
@@ -73,6 +76,7 @@ class RunContext:
     curves: dict[str, Any]
     worst: tuple[WorstToken, ...]
     setting: str | None = None
+    tables: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens_path(self) -> Path:
@@ -85,8 +89,8 @@ class RunContext:
         return setting if isinstance(setting, str) and setting else self.run_dir.name
 
     def json_dict(self) -> dict[str, Any]:
-        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves``."""
-        return {**self.metrics, "config": self.config, "curves": self.curves}
+        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves`` + ``tables``."""
+        return {**self.metrics, "config": self.config, "curves": self.curves, **self.tables}
 
 
 def load_run(
@@ -117,7 +121,7 @@ def load_run(
     store.open_parquet(tokens)
     if data is None or (metrics_config is not None and data["config"] != metrics_config.describe()):
         data = _metrics_data(run_dir, metrics_config, setting)
-    flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
+    flat = flat_part(data)
     curves = data["curves"]
     return RunContext(
         run_dir=run_dir,
@@ -127,6 +131,7 @@ def load_run(
         curves=curves,
         worst=tuple(worst_tokens(tokens, curves.get("worst_tokens", []))),
         setting=setting,
+        tables={name: data[name] for name in TABLES if name in data},
     )
 
 
@@ -151,7 +156,8 @@ def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
         return None
     ok = isinstance(data, dict) and isinstance(data.get("curves"), dict) and "config" in data
     ok = ok and all(name in data["curves"] for name in CURVES) and "k3_kl" in data
-    flat = [v for k, v in data.items() if k not in ("config", "curves")] if ok else []
+    ok = ok and all(isinstance(data.get(name), list) for name in TABLES)
+    flat = [v for k, v in data.items() if k not in STRUCTURED_KEYS] if ok else []
     numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat)
     return data if ok and numbers else None
 

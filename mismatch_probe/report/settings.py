@@ -42,6 +42,7 @@ def setting_entries(
     ``computed``: setting name -> metrics already computed with ``metrics_config`` (default
     config when None), reused instead of recomputed."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
+    from mismatch_probe.metrics.stream import flat_part
 
     names = setting_names(run_dir)
     if len(names) < 2:
@@ -54,7 +55,7 @@ def setting_entries(
         if data is None or data["config"] != cfg.describe():
             tokens = store.resolve_tokens_path(run_dir)
             data = compute_metrics(tokens, cfg, setting=name).to_json_dict()
-        flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
+        flat = flat_part(data)
         if name in speed:
             flat["rollout_tokens_per_s"] = speed[name]
         entries.append(Entry(name, flat, data["curves"]))
