@@ -43,6 +43,7 @@ from mismatch_probe.options import (
     ModelOpt,
     NumPromptsOpt,
     OutOpt,
+    PromptIdOpt,
     PromptsOpt,
     QuantizationOpt,
     RayOpt,
@@ -111,7 +112,11 @@ def metrics_command(
     number = None if step is None else resolve_step(resolve_tokens_path(path), step)
     result = compute_metrics(path, metrics_config, setting=setting, step=number)
     if json_output:
-        print(json.dumps(result.flat(), allow_nan=False))
+        from mismatch_probe.report.recommend import recommend
+
+        sweep = result.tables["threshold_sweep"]
+        found = recommend(result.flat(), result.config.describe(), sweep)
+        print(json.dumps({**result.flat(), "recommendation": found.to_dict()}, allow_nan=False))
     else:
         render_metrics(result, _stdout_console())
 
@@ -284,6 +289,7 @@ def scan(
     model: ModelOpt = SCAN.model,
     prompts: PromptsOpt = SCAN.prompts,
     num_prompts: NumPromptsOpt = SCAN.num_prompts,
+    prompt_id: PromptIdOpt = None,
     samples_per_prompt: SamplesOpt = SCAN.samples_per_prompt,
     max_tokens: MaxTokensOpt = SCAN.sampling.max_tokens,
     temperature: TemperatureOpt = SCAN.sampling.temperature,
@@ -335,6 +341,7 @@ def scan(
         model=model,
         prompts=prompts,
         num_prompts=num_prompts,
+        prompt_ids=tuple(prompt_id) if prompt_id else None,
         samples_per_prompt=samples_per_prompt,
         sampling=sampling,
         rollout_dtypes=split_list(rollout_dtype, "--rollout-dtype"),

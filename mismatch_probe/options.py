@@ -66,7 +66,12 @@ SettingOpt = Annotated[
 ]
 
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one flat JSON object (spec names) instead of tables.")
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON object instead of tables: the flat metrics (spec names) and "
+        "the recommendation.",
+    ),
 ]
 
 RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by probe scan.")]
@@ -159,6 +164,16 @@ PromptsOpt = Annotated[
 
 NumPromptsOpt = Annotated[
     int | None, typer.Option("--num-prompts", help="Use only the first N prompts.")
+]
+
+PromptIdOpt = Annotated[
+    list[int] | None,
+    typer.Option(
+        "--prompt-id",
+        help="Scan only the prompt with this id (its 0-based index among the non-empty lines "
+        "of the prompts file: the store's prompt_id), repeatable; each keeps its own sampling "
+        "seeds, so a prompt's responses come out as in the full scan. Not with --num-prompts.",
+    ),
 ]
 
 SamplesOpt = Annotated[

@@ -113,6 +113,7 @@ def test_cli_reads_a_sharded_store_like_a_file(
         )
         assert code == 0, err
         out[path] = json.loads(stdout)
+        out[path].pop("recommendation")  # the same rule on the same numbers
     assert_same_metrics(out[single], out[sharded])
     assert_same_metrics(out[single], out[sharded / store.TOKENS_DIR])
 

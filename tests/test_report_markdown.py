@@ -79,7 +79,7 @@ def test_numbers_in_markdown_equal_metrics_json(rendered) -> None:
 def test_worst_token_text_is_inert(rendered) -> None:
     _, paths = rendered
     text = paths["report"].read_text()
-    worst = table_rows(text.split("## Worst tokens")[1].split("<details>")[0], r"\d+")
+    worst = table_rows(text.split("## Worst tokens")[1].split("## ")[0], r"\d+")
     assert worst[0][:2] == ["1", "1:4"]
     assert worst[0][2] == (
         "&lt;script&gt;alert(1)&lt;/script&gt; \\[x<b>\\](javascript:</b>alert(2)) ok"
@@ -121,9 +121,13 @@ def test_sections_and_collapsible_metrics(rendered) -> None:
         "## Verdicts",
         "## Key metrics",
         "### What each correction preset would do",
+        "## Threshold sweep",
         "## Plots",
         "## Worst tokens",
+        "## Outliers",
+        "## Mismatch by entropy",
     ]
+    assert text.splitlines()[2].startswith("**Recommendation:** ")  # one sentence at the top
     assert "| precisions | rollout=bf16 \\| train=fp32 |" in text
     assert "<details>\n<summary>Every metric (" in text and text.rstrip().endswith("</details>")
 

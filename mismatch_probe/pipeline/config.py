@@ -51,6 +51,7 @@ class ScanConfig:
     model: Path | None = None
     prompts: Path | None = None
     num_prompts: int | None = None
+    prompt_ids: tuple[int, ...] | None = None  # only these prompts (their store prompt_id)
     samples_per_prompt: int = 1
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     rollout_dtypes: tuple[str, ...] = ("bfloat16",)
@@ -94,6 +95,14 @@ class ScanConfig:
             (s.max_tokens >= 1, f"--max-tokens must be >= 1, got {s.max_tokens}"),
             (self.samples_per_prompt >= 1, "--samples-per-prompt must be >= 1"),
             (self.num_prompts is None or self.num_prompts >= 1, "--num-prompts must be >= 1"),
+            (
+                self.prompt_ids is None or self.num_prompts is None,
+                "--prompt-id and --num-prompts: give one or the other",
+            ),
+            (
+                self.prompt_ids is None or (bool(self.prompt_ids) and min(self.prompt_ids) >= 0),
+                f"--prompt-id must be >= 0, got {self.prompt_ids}",
+            ),
             (s.temperature >= 0, f"--temperature must be >= 0, got {s.temperature}"),
             (0 < s.top_p <= 1, f"--top-p must be in (0, 1], got {s.top_p}"),
             (s.top_k == -1 or s.top_k >= 1, f"--top-k must be -1 (off) or >= 1, got {s.top_k}"),

@@ -35,7 +35,12 @@ from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, Scan
 from mismatch_probe.pipeline.runinfo import run_metadata
 from mismatch_probe.pipeline.tables import sequence_table, token_table
 from mismatch_probe.progress import make_progress, vllm_progress
-from mismatch_probe.prompts import default_prompts_path, encode_prompts, load_prompts
+from mismatch_probe.prompts import (
+    default_prompts_path,
+    encode_prompts,
+    load_prompts,
+    select_prompts,
+)
 from mismatch_probe.settings import RolloutSetting, Setting
 from mismatch_probe.training import rescore
 
@@ -84,7 +89,10 @@ def prepare(cfg: ScanConfig) -> Prepared:
         raise ProbeError(f"--chat: the tokenizer of {model_dir} has no chat template")
     chat = has_template if cfg.chat is None else cfg.chat
     prompts_path = (cfg.prompts or default_prompts_path()).resolve()
-    raw = load_prompts(prompts_path, cfg.num_prompts)
+    if cfg.prompt_ids is None:
+        raw = load_prompts(prompts_path, cfg.num_prompts)
+    else:  # ids are line indices: a selected prompt keeps its id, hence its request seeds
+        raw = select_prompts(load_prompts(prompts_path), cfg.prompt_ids, prompts_path)
     encoded = encode_prompts(raw, tokenizer, chat, context, cfg.sampling.max_tokens)
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
     longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1

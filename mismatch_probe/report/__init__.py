@@ -19,7 +19,7 @@ the run directory: no model, no tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ def load_report(
     run_dir: Path,
     metrics_config: MetricsConfig | None = None,
     computed: Mapping[str, dict[str, Any]] | None = None,
+    integrity_errors: Sequence[str] = (),
 ) -> tuple[RunContext, list[Entry]]:
     """Load what a report shows: the run (its reference setting when the store holds several)
     and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
@@ -55,6 +56,8 @@ def load_report(
     Args:
         computed: setting name -> ``MetricsResult.to_json_dict()`` the caller already has (the
             scan's, default config): used instead of computing them again.
+        integrity_errors: names of the integrity checks that found an error (they turn the
+            recommendation into "investigate first").
     """
     from mismatch_probe.report.settings import setting_entries, setting_names
 
@@ -68,8 +71,8 @@ def load_report(
     reference = names[0] if len(names) > 1 else None
     given = dict(computed or {})
     first = given.get(names[0]) if names else None
-    ctx = load_run(run_dir, metrics_config, reference, data=first)
-    return ctx, setting_entries(run_dir, metrics_config, given)
+    ctx = load_run(run_dir, metrics_config, reference, first, integrity_errors)
+    return ctx, setting_entries(run_dir, metrics_config, given, integrity_errors)
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:

@@ -36,6 +36,7 @@ from mismatch_probe.report.terminal import HIST_WIDTH, _bar, _hist_rows
 from mismatch_probe.report.verdicts import FAIL, NA, PASS, evaluate
 
 COMMENT_LIMIT = 60_000
+COMMENT_OUTLIERS = 5  # outliers listed in a comment (report.md has all of them)
 CLIP = 48  # characters of model text kept per piece (token, context before, context after)
 FORMATS = ("terminal", "pr-comment")
 # Which way a key metric is better, for the arrows; a metric not listed is neutral (a count).
@@ -54,6 +55,9 @@ BETTER: dict[str, str] = {
     "rollout_is_eff_sample_size": "higher",
     "seq_log_ratio_slope_per_1k": "closer to 0",
     "support_flip_fraction": "lower",
+    "clip_fraction_0.2": "lower",
+    "clip_fraction_0.28": "lower",
+    "outlier_share_top1pct": "lower",
 }
 FOOTER = "<sub>Plots and the full report: `report.html` in the run directory.</sub>"
 
@@ -176,16 +180,27 @@ def _tail(ctx: RunContext) -> list[tuple[str, list[str]]]:
 
 def run_comment(ctx: RunContext) -> str:
     """The comment of one run (``probe report RUN --format pr-comment``)."""
+    from mismatch_probe.report import decisions
+
     model = escape(ctx.run.get("model", {}).get("name", ctx.label))
     verdicts = evaluate(ctx.metrics)
     head = _header(ctx, f"Mismatch report: {model}")
     head += [verdict_counts([v.status for v in verdicts]), ""]
+    head += decisions.recommendation_md(ctx.tables)
     parts = [
         ("Header", head),
         ("Verdicts", titled("Verdicts", verdict_section(verdicts))),
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
         *_tail(ctx),
     ]
+    sweep = decisions.sweep_md(ctx.tables)
+    if sweep:
+        parts.insert(3, ("Threshold sweep", titled("Threshold sweep", sweep)))
+    clipped = tuple(clip_token(o) for o in ctx.outliers)  # type: ignore[arg-type]
+    clipped_ctx = dataclasses.replace(ctx, outliers=clipped)  # type: ignore[arg-type]
+    outliers = decisions.outliers_md(clipped_ctx, COMMENT_OUTLIERS)
+    if outliers:
+        parts.append(("Outliers", details("Outliers (the top 5)", outliers)))
     every = all_metrics_section(ctx.metrics)
     parts.append(("Every metric", every))
     return fit(parts)

@@ -10,7 +10,7 @@ which the reports print as a warning: such runs measure different things.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ class Entry:
     label: str
     metrics: dict[str, float]
     curves: dict[str, Any]
+    tables: dict[str, Any] = field(default_factory=dict)  # context.decision_tables
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ Sign convention: ``r = train_logprob - rollout_logprob``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -54,6 +55,16 @@ class WorstToken:
 
 
 @dataclass(frozen=True)
+class OutlierToken:
+    """An outlier sequence (an ``outliers`` record) with its worst token's text in context."""
+
+    record: dict[str, Any]
+    text: str
+    before: str
+    after: str
+
+
+@dataclass(frozen=True)
 class RunContext:
     """Everything a report shows about one run (one setting).
 
@@ -66,7 +77,9 @@ class RunContext:
         worst: the worst tokens, largest ``|r|`` first, with their text.
         setting: the ``setting`` the metrics cover when one was chosen (a store may hold
             several); None for the whole store.
-        tables: the lists of records of spec section 7 (``threshold_sweep``, ``outliers``).
+        tables: what spec section 7 stores beside the flat metrics: ``threshold_sweep``,
+            ``outliers`` (each with its re-scan ``command``) and ``recommendation``.
+        outliers: the outlier records with their worst token in context.
     """
 
     run_dir: Path
@@ -77,6 +90,7 @@ class RunContext:
     worst: tuple[WorstToken, ...]
     setting: str | None = None
     tables: dict[str, Any] = field(default_factory=dict)
+    outliers: tuple[OutlierToken, ...] = ()
 
     @property
     def tokens_path(self) -> Path:
@@ -98,6 +112,7 @@ def load_run(
     metrics_config: MetricsConfig | None = None,
     setting: str | None = None,
     data: dict[str, Any] | None = None,
+    integrity_errors: Sequence[str] = (),
 ) -> RunContext:
     """Load a run directory written by ``probe scan``.
 
@@ -110,6 +125,8 @@ def load_run(
             covers one setting of a store that holds several).
         data: the metrics (``MetricsResult.to_json_dict()``) when the caller has computed them
             already with ``metrics_config`` (default config when None): nothing is recomputed.
+        integrity_errors: names of the integrity checks that found an error (the
+            recommendation then says to investigate first).
 
     Raises:
         ProbeError: not a run directory, or an unreadable token store.
@@ -123,16 +140,33 @@ def load_run(
         data = _metrics_data(run_dir, metrics_config, setting)
     flat = flat_part(data)
     curves = data["curves"]
+    run = _run_metadata(run_dir)
+    tables = decision_tables(run, data, integrity_errors)
     return RunContext(
         run_dir=run_dir,
-        run=_run_metadata(run_dir),
+        run=run,
         metrics=flat,
         config=data["config"],
         curves=curves,
         worst=tuple(worst_tokens(tokens, curves.get("worst_tokens", []))),
         setting=setting,
-        tables={name: data[name] for name in TABLES if name in data},
+        tables=tables,
+        outliers=tuple(outlier_tokens(tokens, tables["outliers"])),
     )
+
+
+def decision_tables(
+    run: dict[str, Any], data: dict[str, Any], integrity_errors: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``threshold_sweep``, ``outliers`` (with their re-scan ``command``) and the
+    ``recommendation`` of one setting's metrics (``MetricsResult.to_json_dict()``)."""
+    from mismatch_probe.report.recommend import recommend
+    from mismatch_probe.report.rescan import rescan_command
+
+    sweep = data.get("threshold_sweep", [])
+    outliers = [{**o, "command": rescan_command(run, o)} for o in data.get("outliers", [])]
+    found = recommend(flat_part(data), data["config"], sweep, integrity_errors)
+    return {"threshold_sweep": sweep, "outliers": outliers, "recommendation": found.to_dict()}
 
 
 def _run_metadata(run_dir: Path) -> dict[str, Any]:
@@ -187,6 +221,24 @@ def _token_texts(path: Path, seq_ids: list[int]) -> dict[int, tuple[np.ndarray, 
         rows = np.flatnonzero(seq == sid)
         rows = rows[np.argsort(pos[rows], kind="stable")]
         out[sid] = (pos[rows], [text[i] or "" for i in rows])
+    return out
+
+
+def outlier_tokens(path: Path, records: list[dict[str, Any]]) -> list[OutlierToken]:
+    """Each outlier record with the text around its worst token (empty without token text)."""
+    texts = _token_texts(path, sorted({int(r["seq_id"]) for r in records}))
+    out = []
+    for rec in records:
+        positions, words = texts.get(int(rec["seq_id"]), (np.zeros(0, int), []))
+        hit = np.flatnonzero(positions == rec["worst_position"])
+        i = int(hit[0]) if len(hit) else -1
+        if i < 0:
+            out.append(OutlierToken(rec, "", "", ""))
+            continue
+        before = "".join(words[max(i - CONTEXT_BEFORE, 0) : i])
+        out.append(
+            OutlierToken(rec, words[i], before, "".join(words[i + 1 : i + 1 + CONTEXT_AFTER]))
+        )
     return out
 
 

@@ -136,9 +136,14 @@ def all_metrics_section(metrics: dict[str, float]) -> list[str]:
 
 def render_markdown(ctx: RunContext, plots: dict[str, tuple[Path, str]]) -> str:
     """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title)."""
+    from mismatch_probe.report import decisions
+
     title = f"# Mismatch report: {escape(ctx.run.get('model', {}).get('name', ctx.label))}"
-    lines = [title, "", *settings_section(ctx), *verdict_section(evaluate(ctx.metrics))]
+    lines = [title, "", *decisions.recommendation_md(ctx.tables)]
+    lines += [*settings_section(ctx), *verdict_section(evaluate(ctx.metrics))]
     lines += key_metrics_section(ctx.metrics) + presets_section(ctx)
+    lines += decisions.sweep_md(ctx.tables)
     lines += plots_section(plots, ctx.run_dir) + worst_section(ctx.worst)
+    lines += decisions.outliers_md(ctx) + decisions.entropy_md(ctx)
     lines += all_metrics_section(ctx.metrics)
     return "\n".join(lines)

@@ -8,6 +8,7 @@ during the scan (``settings.json``), a recommendation line, and the overlaid plo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from rich.text import Text
 from mismatch_probe import store
 from mismatch_probe.report.compare import Entry, compare_rows, comparison_table, overlay_plots
 from mismatch_probe.report.compare import row_cells as compare_row_cells
+from mismatch_probe.report.context import decision_tables
 from mismatch_probe.report.markdown import escape, table
 from mismatch_probe.report.sections import visible
 
@@ -35,12 +37,16 @@ def setting_names(run_dir: Path) -> list[str]:
 
 
 def setting_entries(
-    run_dir: Path, metrics_config: Any = None, computed: dict[str, dict[str, Any]] | None = None
+    run_dir: Path,
+    metrics_config: Any = None,
+    computed: dict[str, dict[str, Any]] | None = None,
+    integrity_errors: Sequence[str] = (),
 ) -> list[Entry]:
     """One ``Entry`` per setting, least ``k3_kl`` first; [] for a single-setting run.
 
     ``computed``: setting name -> metrics already computed with ``metrics_config`` (default
-    config when None), reused instead of recomputed."""
+    config when None), reused instead of recomputed. Each entry's ``tables`` hold its
+    threshold sweep, outliers and recommendation (``context.decision_tables``)."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
     from mismatch_probe.metrics.stream import flat_part
 
@@ -48,6 +54,7 @@ def setting_entries(
     if len(names) < 2:
         return []
     speed = _throughput(run_dir)
+    run = _run_json(run_dir)
     cfg = metrics_config or MetricsConfig()
     entries = []
     for name in names:
@@ -58,7 +65,8 @@ def setting_entries(
         flat = flat_part(data)
         if name in speed:
             flat["rollout_tokens_per_s"] = speed[name]
-        entries.append(Entry(name, flat, data["curves"]))
+        tables = decision_tables(run, data, integrity_errors)
+        entries.append(Entry(name, flat, data["curves"], tables))
     return sorted(entries, key=lambda e: e.metrics["k3_kl"])
 
 
@@ -73,11 +81,18 @@ def render_settings(entries: list[Entry], console: Console) -> None:
     """The settings table (ratio to the least-mismatch setting) and the recommendation."""
     table_ = comparison_table(entries, compare_rows(entries))
     table_.title = "Settings, least mismatch first (×: ratio to the first)"
-    console.print(Group(table_, Text(visible(recommendation(entries)), style="bold")))
+    from mismatch_probe.report.decisions import recommendation_text
+
+    lines = [Text(visible(recommendation(entries)), style="bold")]
+    for e in entries:
+        lines.append(Text(visible(f"  {e.label}: {recommendation_text(e.tables)}")))
+    console.print(Group(table_, *lines))
 
 
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
     """A ``## Precision settings`` section with the table, the recommendation and overlaid plots."""
+    from mismatch_probe.report.decisions import settings_recommendations_md
+
     plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings")
     header = ["metric"]
     for i, e in enumerate(entries):
@@ -92,6 +107,7 @@ def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
         f"**{escape(recommendation(entries))}**",
     ]
     lines += ["", *table(header, rows, "l" + "r" * (len(header) - 1)), ""]
+    lines += settings_recommendations_md(entries)
     for path, title in plots.values():
         lines += [f"![{escape(title)}]({path.relative_to(run_dir).as_posix()})", ""]
     return "\n".join(lines)
