@@ -23,6 +23,8 @@ from mismatch_probe.report.context import decision_tables
 from mismatch_probe.report.markdown import escape, table
 from mismatch_probe.report.sections import visible
 
+K3_PLOT = "k3_by_setting.png"
+
 
 def setting_names(run_dir: Path) -> list[str]:
     """The settings in the token store, in the scan's order (first = the reference)."""
@@ -92,6 +94,7 @@ def render_settings(entries: list[Entry], console: Console) -> None:
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
     """A ``## Precision settings`` section with the table, the recommendation and overlaid plots."""
     from mismatch_probe.report.decisions import settings_recommendations_md
+    from mismatch_probe.report.plots import write_k3_by_setting
 
     plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings")
     header = ["metric"]
@@ -108,7 +111,8 @@ def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
     ]
     lines += ["", *table(header, rows, "l" + "r" * (len(header) - 1)), ""]
     lines += settings_recommendations_md(entries)
-    for path, title in plots.values():
+    k3_plot = write_k3_by_setting(entries, run_dir / store.PLOTS_DIR / "settings" / K3_PLOT)
+    for path, title in [*plots.values(), k3_plot]:
         lines += [f"![{escape(title)}]({path.relative_to(run_dir).as_posix()})", ""]
     return "\n".join(lines)
 
