@@ -83,9 +83,15 @@ RUNG_FIELDS = (
 )
 
 
+# Entropy (nats) of the training-side distribution each token was scored under, from the
+# rescorer's logits. Optional: stores written before it, and ingested runs (no logits), lack it.
+ENTROPY_FIELD = pa.field("train_entropy", pa.float32())
+
+
 def token_schema(names: Sequence[str]) -> pa.Schema:
-    """``TOKEN_SCHEMA`` plus the rung fields among ``names``."""
-    return pa.schema([*TOKEN_SCHEMA, *(f for f in RUNG_FIELDS if f.name in names)])
+    """``TOKEN_SCHEMA`` plus ``train_entropy`` and the rung fields among ``names``."""
+    optional = (ENTROPY_FIELD, *RUNG_FIELDS)
+    return pa.schema([*TOKEN_SCHEMA, *(f for f in optional if f.name in names)])
 
 
 # The columns a metrics reader needs; any Parquet file with these can be analysed.
@@ -129,7 +135,8 @@ def _is_text(t: pa.DataType) -> bool:
 COLUMN_KINDS: dict[str, tuple[Any, str]] = {
     **{name: (_is_integer, "integers") for name in
        ("seq_id", "prompt_id", "sample_id", "position", "token_id")},
-    **{name: (_is_number, "numbers") for name in ("rollout_logprob", "train_logprob")},
+    **{name: (_is_number, "numbers") for name in
+       ("rollout_logprob", "train_logprob", "train_entropy")},
     "support_flip": (pa.types.is_boolean, "booleans"),
     **{name: (_is_text, "text") for name in ("setting", "token_text")},
 }  # fmt: skip
