@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.metrics.accum import Counts, mmean
-from mismatch_probe.metrics.batch import EPS, TokenBatch, clamp_b, per_batch, seg_mean
-from mismatch_probe.metrics.rejection import ESTIMATORS, dropped_seqs
+from mismatch_probe.metrics.batch import EPS, TokenBatch, clamp_b, per_batch, seg_max, seg_mean
+from mismatch_probe.metrics.rejection import ESTIMATORS
 
 CLIP_EPS = (0.2, 0.28)
 RATIO_THRESHOLDS = (1.2, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -68,16 +68,38 @@ def _seq_mean_k3(b: TokenBatch, _: None = None) -> np.ndarray:
     return seg_mean(b, ESTIMATORS["k3"](clamp_b(b.r)))
 
 
-# family -> (thresholds, masked(batch, threshold) -> [N] bool over rows, padding included).
-Masker = Callable[[TokenBatch, float], np.ndarray]
-FAMILIES: dict[str, tuple[tuple[float, ...], Masker]] = {
-    "token_tis": (RATIO_THRESHOLDS, lambda b, c: _rho(b, None) > c),
+def _token_counts(
+    b: TokenBatch, hit: Callable[[np.ndarray, float], np.ndarray], thresholds: tuple[float, ...]
+) -> tuple[list[int], list[int]]:
+    """Token-level family: masked tokens per threshold, and sequences holding one (from the
+    per-sequence max / min of rho: a sequence holds a masked token iff its extreme is)."""
+    rho = _rho(b, None)
+    valid, seqs = rho[b.m], b.n > 0
+    hi = seg_max(b, rho)
+    lo = -seg_max(b, -rho)
+    tokens = [int(hit(valid, t).sum()) for t in thresholds]
+    sequences = [int((seqs & (hit(hi, t) | hit(lo, t))).sum()) for t in thresholds]
+    return tokens, sequences  # fmt: skip
+
+
+def _seq_counts(
+    b: TokenBatch, value: np.ndarray, thresholds: tuple[float, ...]
+) -> tuple[list[int], list[int]]:
+    """Sequence-level family: sequences with ``value > threshold`` and their valid tokens."""
+    hit = [(b.n > 0) & (value > t) for t in thresholds]
+    return [int(b.n[h].sum()) for h in hit], [int(h.sum()) for h in hit]
+
+
+Counter = Callable[[TokenBatch, tuple[float, ...]], tuple[list[int], list[int]]]
+# family -> (thresholds, counts(batch, thresholds) -> (masked tokens, masked sequences)).
+FAMILIES: dict[str, tuple[tuple[float, ...], Counter]] = {
+    "token_tis": (RATIO_THRESHOLDS, lambda b, ts: _token_counts(b, lambda x, c: x > c, ts)),
     "token_icepop": (
         RATIO_THRESHOLDS,
-        lambda b, c: (_rho(b, None) > c) | (_rho(b, None) < 1.0 / c),
+        lambda b, ts: _token_counts(b, lambda x, c: (x > c) | (x < 1.0 / c), ts),
     ),
-    "seq_is": (RATIO_THRESHOLDS, lambda b, c: (_seq_weight(b, None) > c)[b.seg]),
-    "seq_mean_k3": (K3_THRESHOLDS, lambda b, u: (_seq_mean_k3(b, None) > u)[b.seg]),
+    "seq_is": (RATIO_THRESHOLDS, lambda b, ts: _seq_counts(b, _seq_weight(b, None), ts)),
+    "seq_mean_k3": (K3_THRESHOLDS, lambda b, ts: _seq_counts(b, _seq_mean_k3(b, None), ts)),
 }
 
 
@@ -95,10 +117,13 @@ class DecisionAccumulator:
     def update(self, b: TokenBatch) -> None:
         dev = np.abs(_rho(b, None)[b.m] - 1.0)
         self.n_clip += [int((dev > eps).sum()) for eps in CLIP_EPS]
-        for i, (family, threshold) in enumerate(self.grid):
-            masked = FAMILIES[family][1](b, threshold) & b.m
-            self.n_tok[i] += int(masked.sum())
-            self.n_seq[i] += int(dropped_seqs(b, ~masked).sum())
+        tokens, seqs = [], []
+        for thresholds, count in FAMILIES.values():
+            t, q = count(b, thresholds)
+            tokens += t
+            seqs += q
+        self.n_tok += tokens
+        self.n_seq += seqs
         s = b.s[b.n > 0]
         lo, hi = SEQ_WEIGHT_RANGE
         self.hist += np.histogram(s, bins=SEQ_WEIGHT_BINS, range=SEQ_WEIGHT_RANGE)[0]

@@ -213,12 +213,16 @@ def sweep_rich(tables: dict[str, Any]) -> list[Table]:
     by_family = sweep_by_family(tables.get("threshold_sweep", []))
     marks = preset_marks()
     out = []
-    groups = [[f for f in FAMILIES if f != "seq_mean_k3"], ["seq_mean_k3"]]
-    for families in groups:
+    groups = {
+        "C": [f for f in FAMILIES if f != "seq_mean_k3"],
+        "U": ["seq_mean_k3"],
+    }
+    for name, families in groups.items():
         present = [f for f in families if f in by_family]
         if not present:
             continue
-        t = Table(title="Threshold sweep: tokens · sequences masked", title_justify="left")
+        title = f"Threshold sweep ({name}): tokens · sequences masked; bold: a preset's default"
+        t = Table(title=title, title_justify="left")
         t.title_style = "bold"
         t.add_column("family")
         for r in by_family[present[0]]:
