@@ -180,3 +180,14 @@ def test_report_and_compare_work_on_ingested_runs(
                               monkeypatch, capsys)  # fmt: skip
     assert code == 0, err
     assert (tmp_path / "c" / "compare.md").exists()
+
+
+def test_ingested_run_has_no_entropy_and_says_so(run: Path) -> None:
+    import pyarrow.parquet as pq
+
+    entropy = pq.read_table(run / "tokens.parquet", columns=["train_entropy"]).column(0)
+    assert entropy.null_count == len(entropy) > 0  # logs carry log-probs, not logits
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert "entropy_mean" not in metrics and metrics["curves"]["entropy"]["available"] is False
+    assert json.loads((run / "run.json").read_text())["available"]["train_entropy"] is False
+    assert "train\\_entropy: not available" in (run / "report.md").read_text()

@@ -63,9 +63,15 @@ def _seq_weight(b: TokenBatch, _: None = None) -> np.ndarray:
 
 
 @per_batch
+def token_k3(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``k3 = expm1(rs) - rs`` on ``rs = clampB(r)`` (memoised: outliers share it)."""
+    return ESTIMATORS["k3"](clamp_b(b.r))
+
+
+@per_batch
 def _seq_mean_k3(b: TokenBatch, _: None = None) -> np.ndarray:
     """``[S_b]`` ``mmean_i(k3(clampB(r)))``."""
-    return seg_mean(b, ESTIMATORS["k3"](clamp_b(b.r)))
+    return seg_mean(b, token_k3(b, None))
 
 
 def _token_counts(

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.metrics.accum import Counts
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, seg_sum
-from mismatch_probe.metrics.rejection import ESTIMATORS
+from mismatch_probe.metrics.batch import TokenBatch, seg_sum
+from mismatch_probe.metrics.decisions import token_k3
 
 TOP_OUTLIERS = 20
 TOP_SHARE = 0.01  # outlier_share_top1pct: the top 1% of sequences
@@ -48,8 +48,7 @@ class OutlierAccumulator:
         self.top: list[dict[str, Any]] = []
 
     def update(self, b: TokenBatch) -> None:
-        k3 = ESTIMATORS["k3"](clamp_b(b.r))
-        seq_k3 = seg_sum(b, k3)
+        seq_k3 = seg_sum(b, token_k3(b, None))
         valid = np.flatnonzero(b.n > 0)
         self.sums.append(seq_k3[valid])
         if len(valid) > TOP_OUTLIERS:  # only the batch's own top can enter the run's top

@@ -10,6 +10,8 @@ Module map: ``context`` (load a run directory), ``verdicts`` (health checks as a
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
 (matplotlib PNGs), ``markdown`` (report.md), ``html`` (report.html from the Markdown),
 ``comment`` (the pull-request comment), ``settings`` (a matrix run's settings side by side),
+``recommend`` (the recommendation rule), ``decisions`` (its sections: recommendation, threshold
+sweep, outliers, entropy), ``rescan`` (the command that re-scans one prompt),
 ``routing`` (the MoE section and plots, from routing.json), ``compare`` (several runs side by
 side), ``check`` (bounds for CI), ``baseline`` and ``bootstrap`` (the gate against a baseline
 run), ``metrics_table`` (``probe metrics``' tables), ``summary`` (the scan's last word). This is

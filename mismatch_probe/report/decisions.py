@@ -30,7 +30,7 @@ FAMILY_LABELS = {
 }
 TERMINAL_OUTLIERS = 10  # rows of the terminal's outlier table (report.md lists all 20)
 NOT_AVAILABLE = (
-    "not available: this store has no train_entropy (an ingested run's logs hold "
+    "not available: this store holds no train_entropy values (an ingested run's logs hold "
     "log-probabilities, not the logits an entropy needs; stores written before the column "
     "existed lack it too)."
 )
@@ -168,7 +168,7 @@ def entropy_md(ctx: RunContext) -> list[str]:
     curve = ctx.curves.get("entropy") or {}
     lines = ["## Mismatch by entropy", ""]
     if not curve.get("available"):
-        return [*lines, f"train_entropy: {escape(NOT_AVAILABLE)}", ""]
+        return [*lines, escape(f"train_entropy: {NOT_AVAILABLE}"), ""]
     mean = ctx.metrics.get("entropy_mean", 0.0)
     lines += [
         f"Mean training-side entropy {mean:.4g} nats over {curve['tokens']:,} tokens; "
