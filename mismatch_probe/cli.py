@@ -213,7 +213,7 @@ def report(run_dir: RunDirArg, metrics_config: MetricsConfig, fmt: FormatOpt = "
     ctx, entries = load_report(run_dir, metrics_config)
     paths = write_outputs(ctx, entries)
     if fmt == "pr-comment":
-        print(run_comment(ctx), end="")
+        print(run_comment(ctx, entries), end="")
         return
     console = _stdout_console()
     render(ctx, entries, console)

@@ -178,6 +178,10 @@ def test_every_setting_of_a_matrix(tmp_path: Path) -> None:
     section = text.split("Recommendation per setting:")[1]
     for e in entries:
         assert escape(e.tables["recommendation"]["reason"]) in section
+    comment = run_comment(ctx, entries)
+    assert "#### Recommendation per setting" in comment
+    for e in entries:
+        assert escape(e.tables["recommendation"]["reason"]) in comment
     assert (run / "plots" / "settings" / "k3_by_setting.png").stat().st_size > 10_000
     assert "](plots/settings/k3_by_setting.png)" in section
     assert {"threshold_sweep", "seq_weights", "entropy"} <= {

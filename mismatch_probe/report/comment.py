@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mismatch_probe.report.compare import Comparison
+from mismatch_probe.report.compare import Comparison, Entry
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
@@ -178,8 +178,9 @@ def _tail(ctx: RunContext) -> list[tuple[str, list[str]]]:
     return parts
 
 
-def run_comment(ctx: RunContext) -> str:
-    """The comment of one run (``probe report RUN --format pr-comment``)."""
+def run_comment(ctx: RunContext, entries: Sequence[Entry] = ()) -> str:
+    """The comment of one run (``probe report RUN --format pr-comment``); with ``entries``
+    (the settings of a precision matrix) it also gives each setting's recommendation."""
     from mismatch_probe.report import decisions
 
     model = escape(ctx.run.get("model", {}).get("name", ctx.label))
@@ -196,6 +197,13 @@ def run_comment(ctx: RunContext) -> str:
     sweep = decisions.sweep_md(ctx.tables)
     if sweep:
         parts.insert(3, ("Threshold sweep", titled("Threshold sweep", sweep)))
+    if entries:
+        per_setting = [
+            "#### Recommendation per setting",
+            "",
+            *decisions.settings_recommendations_md(entries)[2:],
+        ]
+        parts.insert(1, ("Recommendation per setting", per_setting))
     clipped = tuple(clip_token(o) for o in ctx.outliers)  # type: ignore[arg-type]
     clipped_ctx = dataclasses.replace(ctx, outliers=clipped)  # type: ignore[arg-type]
     outliers = decisions.outliers_md(clipped_ctx, COMMENT_OUTLIERS)
