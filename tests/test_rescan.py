@@ -94,3 +94,22 @@ def test_entropy_reaches_store_metrics_and_report(first: Path) -> None:
     assert (out / "plots" / "entropy.png").is_file()
     report = (out / store.REPORT_FILE).read_text()
     assert "## Mismatch by entropy" in report and "not available" not in report
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--prompt-id", "9"], "--prompt-id 9: "),
+        (["--prompt-id", "-1"], "--prompt-id must be >= 0"),
+        (["--prompt-id", "0", "--num-prompts", "2"], "--prompt-id and --num-prompts"),
+    ],
+)
+def test_bad_prompt_ids_fail_before_any_engine(
+    extra: list[str], message: str, tiny_model: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
+    args = ["scan", "--model", str(tiny_model), "--prompts", str(prompts), *extra]
+    code, _, err = run_probe([*args, "--out", str(tmp_path / "out")], monkeypatch, capsys)
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "out" / store.TOKENS_FILE).exists()
