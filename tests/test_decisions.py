@@ -164,3 +164,18 @@ def test_top1pct_over_many_sequences(tmp_path: Path) -> None:
     assert got.flat()["outlier_share_top1pct"] == pytest.approx(top[:2].sum() / sums.sum())
     assert [o["seq_id"] for o in got.tables["outliers"][:2]] == [17, 150]
     assert len(got.tables["outliers"]) == 20
+
+
+def test_entropy_deciles_of_distinct_values(tmp_path: Path) -> None:
+    """11 valid tokens with distinct entropies 0.5, 1.0, ..., 5.5: deciles of 1.1 tokens each
+    on a 0.005-nat grid: every bin holds whole tokens, in order, and the k3 of each is its own."""
+    values = [0.5 * (i + 1) for i in range(12)]
+    values[9] = None  # the padding row of the empty seq 12 (no entropy there)
+    got = compute_metrics(write_store(tmp_path / "t.parquet", values)).curves["entropy"]
+    bins = got["bins"]
+    assert [b["count"] for b in bins] == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # 11 tokens, 10 bins
+    assert [b["q_hi"] for b in bins] == pytest.approx([(2 + i) / 11 for i in range(10)])
+    assert all(b["lo"] <= b["mean_entropy"] < b["hi"] for b in bins)
+    assert bins[0]["mean_entropy"] == pytest.approx(0.75)  # tokens of entropy 0.5 and 1.0
+    rho = [r for _, _, _, rhos in SEQS if rhos for r in rhos]  # file order = entropy order
+    assert bins[-1]["mean_k3"] == pytest.approx(k3(rho[-1]), abs=1e-12)
