@@ -8,7 +8,7 @@ The rule, checked in this order (``RULE`` states it for the reports):
    and ``k3_kl < NONE_NEEDED_K3``;
 3. otherwise, among the presets the report evaluates whose ``token_masked_fraction`` is below
    ``MAX_MASKED`` and whose ``eff_sample_size`` is at least ``MIN_ESS``: the highest ESS; ties
-   (equal to 9 significant digits): the least masking, then the simplest (token-level before
+   (equal to 9 decimal places): the least masking, then the simplest (token-level before
    sequence-level, then fewer parts, then ``PRESETS`` order);
 4. **no preset fits** otherwise, naming the closest: the preset of smallest
    ``max(token_masked_fraction / MAX_MASKED, (1 - ESS) / (1 - MIN_ESS))``.
