@@ -52,6 +52,7 @@ from mismatch_probe.options import (
     ModelOpt,
     NumPromptsOpt,
     OutOpt,
+    PromptIdOpt,
     PromptsOpt,
     QuantizationOpt,
     RayOpt,
@@ -153,7 +154,17 @@ def metrics_command(
     integrity = run_integrity(path)
     result = compute_metrics(path, metrics_config, setting=setting, step=number)
     if json_output:
-        data = {"integrity": integrity_json(integrity, number), **result.flat()}
+        from mismatch_probe.report.recommend import recommend
+
+        sweep = result.tables["threshold_sweep"]
+        found = recommend(
+            result.flat(), result.config.describe(), sweep, integrity.error_checks(number)
+        )
+        data = {
+            "integrity": integrity_json(integrity, number),
+            **result.flat(),
+            "recommendation": found.to_dict(),
+        }
         print(json.dumps(data, allow_nan=False))
     else:
         _stdout_console().print(integrity_text(integrity, number))
@@ -348,6 +359,7 @@ def scan(
     model: ModelOpt = SCAN.model,
     prompts: PromptsOpt = SCAN.prompts,
     num_prompts: NumPromptsOpt = SCAN.num_prompts,
+    prompt_id: PromptIdOpt = None,
     samples_per_prompt: SamplesOpt = SCAN.samples_per_prompt,
     max_tokens: MaxTokensOpt = SCAN.sampling.max_tokens,
     temperature: TemperatureOpt = SCAN.sampling.temperature,

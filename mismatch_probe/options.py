@@ -112,7 +112,7 @@ JsonOpt = Annotated[
         metavar="",
         rich_help_panel=OUTPUT,
         help="Print one JSON object instead of tables: 'integrity' (the data-integrity "
-        "findings) first, then the metrics by their spec names.",
+        "findings) first, then the metrics by their spec names and the recommendation.",
     ),
 ]
 
@@ -254,6 +254,16 @@ NumPromptsOpt = Annotated[
     int | None,
     typer.Option(
         "--num-prompts", metavar="N", rich_help_panel=MODEL, help="Use only the first N prompts."
+    ),
+]
+
+PromptIdOpt = Annotated[
+    list[int] | None,
+    typer.Option(
+        "--prompt-id",
+        help="Scan only the prompt with this id (its 0-based index among the non-empty lines "
+        "of the prompts file: the store's prompt_id), repeatable; each keeps its own sampling "
+        "seeds, so a prompt's responses come out as in the full scan. Not with --num-prompts.",
     ),
 ]
 

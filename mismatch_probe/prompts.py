@@ -65,6 +65,22 @@ def load_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
+def select_prompts(prompts: list[Prompt], ids: tuple[int, ...], path: Path) -> list[Prompt]:
+    """The prompts whose ``prompt_id`` is in ``ids``, in file order (duplicates once).
+
+    Raises:
+        ProbeError: an id the file does not have.
+    """
+    missing = sorted(set(ids) - {p.prompt_id for p in prompts})
+    if missing:
+        raise ProbeError(
+            f"--prompt-id {missing[0]}: {path} has {len(prompts)} prompts "
+            f"(ids 0..{len(prompts) - 1})"
+        )
+    wanted = set(ids)
+    return [p for p in prompts if p.prompt_id in wanted]
+
+
 def _parse_line(line: str, lineno: int, prompt_id: int, path: Path) -> Prompt:
     where = f"{path}:{lineno}"
     try:

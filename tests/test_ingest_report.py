@@ -111,6 +111,7 @@ def test_metrics_step_matches_steps_json(
     assert code == 0, err
     steps = json.loads((run / "steps.json").read_text())["steps"]
     data = json.loads(out)
+    assert data.pop("recommendation")["reason"]  # the one non-flat key besides integrity
     integrity = json.loads((run / "integrity.json").read_text())
     assert data.pop("integrity") == {
         "findings": integrity["steps"]["20"],
@@ -120,6 +121,7 @@ def test_metrics_step_matches_steps_json(
     assert data == pytest.approx(steps["20"])
     code, out, _ = run_main(["metrics", str(run), "--step", "last", "--json"], monkeypatch, capsys)
     data = json.loads(out)
+    data.pop("recommendation")
     assert data.pop("integrity")["step"] == 40 and data == pytest.approx(steps["40"])
 
 
@@ -186,3 +188,14 @@ def test_report_and_compare_work_on_ingested_runs(
                               monkeypatch, capsys)  # fmt: skip
     assert code == 0, err
     assert (tmp_path / "c" / "compare.md").exists()
+
+
+def test_ingested_run_has_no_entropy_and_says_so(run: Path) -> None:
+    import pyarrow.parquet as pq
+
+    entropy = pq.read_table(run / "tokens.parquet", columns=["train_entropy"]).column(0)
+    assert entropy.null_count == len(entropy) > 0  # logs carry log-probs, not logits
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert "entropy_mean" not in metrics and metrics["curves"]["entropy"]["available"] is False
+    assert json.loads((run / "run.json").read_text())["available"]["train_entropy"] is False
+    assert "train\\_entropy: not available" in (run / "report.md").read_text()

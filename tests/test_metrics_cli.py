@@ -14,6 +14,7 @@ import pytest
 
 from mismatch_probe.cli import main
 from mismatch_probe.metrics import PRESETS, MetricsConfig, compute_metrics
+from mismatch_probe.report.recommend import OUTCOMES
 from mismatch_probe.store import TOKEN_SCHEMA, TOKENS_FILE, write_table
 
 SETTINGS = ("rollout=bf16 | train=fp32", "rollout=fp32 | train=fp32")
@@ -62,6 +63,8 @@ def test_json_is_one_flat_object_of_spec_names(run_dir: Path, monkeypatch, capsy
     data = json.loads(out)
     assert next(iter(data)) == "integrity"  # shown first
     assert data.pop("integrity") == {"findings": [], "masks_applied": []}
+    recommendation = data.pop("recommendation")  # the one non-flat key (spec section 7)
+    assert recommendation["outcome"] in OUTCOMES and recommendation["reason"]
     expected = compute_metrics(run_dir / TOKENS_FILE, MetricsConfig()).flat()
     assert data == pytest.approx(expected)
     for key in ("kl", "k3_kl", "chi2_token", "prob_abs_diff_max", "f_tau_2", "num_tokens"):

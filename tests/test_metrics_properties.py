@@ -104,6 +104,7 @@ def test_streaming_equals_in_memory(d: Dense, cfg: MetricsConfig, cuts: list[int
     got, want = _stream(d, cfg, cuts), reference_metrics(d, cfg)
     assert_close(got.flat(), want.flat())
     assert_close(got.curves, want.curves)
+    assert_close(got.tables, want.tables)
 
 
 @SETTINGS

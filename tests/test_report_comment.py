@@ -109,6 +109,7 @@ def test_run_comment_parses_and_model_text_stays_in_its_cell(hostile_run: Path) 
         "Mismatch report: tiny-llama",
         "Verdicts",
         "Key metrics",
+        "Threshold sweep",
         "Log-ratio histogram",
         "Worst tokens",
     ]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mismatch_probe.metrics import MetricsConfig
+from mismatch_probe.metrics.stream import STRUCTURED_KEYS
 from mismatch_probe.report import write_report
 from mismatch_probe.report.markdown import escape
 from mismatch_probe.report.plots import PLOTS
@@ -66,7 +67,7 @@ def test_numbers_in_markdown_equal_metrics_json(rendered) -> None:
     text = paths["report"].read_text()
     stored = json.loads(paths["metrics"].read_text())
     every = table_rows(text.split("<details>")[1], r"`[^`]+`")
-    assert len(every) == len([k for k in stored if k not in ("config", "curves")])
+    assert len(every) == len([k for k in stored if k not in STRUCTURED_KEYS])
     for key_cell, value in every:
         assert float(value) == pytest.approx(stored[key_cell.strip("`")], rel=1e-5, abs=1e-12)
     key_rows = table_rows(text.split("## Key metrics")[1].split("##")[0], r"`[^`]+`")
@@ -79,7 +80,7 @@ def test_numbers_in_markdown_equal_metrics_json(rendered) -> None:
 def test_worst_token_text_is_inert(rendered) -> None:
     _, paths = rendered
     text = paths["report"].read_text()
-    worst = table_rows(text.split("## Worst tokens")[1].split("<details>")[0], r"\d+")
+    worst = table_rows(text.split("## Worst tokens")[1].split("## ")[0], r"\d+")
     assert worst[0][:2] == ["1", "1:4"]
     assert worst[0][2] == (
         "&lt;script&gt;alert(1)&lt;/script&gt; \\[x<b>\\](javascript:</b>alert(2)) ok"
@@ -121,9 +122,13 @@ def test_sections_and_collapsible_metrics(rendered) -> None:
         "## Verdicts",
         "## Key metrics",
         "### What each correction preset would do",
+        "## Threshold sweep",
         "## Plots",
         "## Worst tokens",
+        "## Outliers",
+        "## Mismatch by entropy",
     ]
+    assert text.splitlines()[2].startswith("**Recommendation:** ")  # one sentence at the top
     assert "| precisions | rollout=bf16 \\| train=fp32 |" in text
     assert "<details>\n<summary>Every metric (" in text and text.rstrip().endswith("</details>")
 

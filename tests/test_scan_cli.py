@@ -19,6 +19,7 @@ import pytest
 
 from mismatch_probe import store
 from mismatch_probe.hardware import hardware
+from mismatch_probe.report.plots import PLOTS
 from tests.cli_runner import run_probe_err as run_main
 
 # What a default scan must not print (issue 11): vLLM's, Triton's and torch's import chatter.
@@ -313,8 +314,8 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     sequences = pq.read_table(out / store.SEQUENCES_FILE)
     typed = [f.name for f in store.SETTING_FIELDS]  # the setting as typed columns
     assert tokens.schema.remove_metadata() == pa.schema(
-        [*store.TOKEN_SCHEMA, *store.SETTING_FIELDS]
-    )
+        [*store.TOKEN_SCHEMA, store.ENTROPY_FIELD, *store.SETTING_FIELDS]
+    )  # the rescorer's entropy too
     assert sequences.schema.remove_metadata() == pa.schema(
         [*store.SEQUENCE_SCHEMA, *store.SETTING_FIELDS]
     )
@@ -349,7 +350,7 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     # The one-file report, and the baseline gate on a real run.json (a run against itself).
     html = (out / "report.html").read_text()
     assert str(out / "report.html") in proc.stdout
-    assert html.count('src="data:image/png;base64,') == 6 and "<script" not in html
+    assert html.count('src="data:image/png;base64,') == len(PLOTS) and "<script" not in html
     assert len(run["prompts"]["sha256"]) == 64
     gate = [str(probe), "check", str(out), "--baseline", str(out), "--max-increase", "k3_kl=1x"]
     checked = subprocess.run(gate, capture_output=True, text=True, timeout=120)

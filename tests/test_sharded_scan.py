@@ -31,6 +31,7 @@ from rich.console import Console
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import compute_metrics
+from mismatch_probe.metrics.stream import STRUCTURED_KEYS
 from mismatch_probe.pipeline import sharding
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.scan import ScanResult, run_scan
@@ -185,7 +186,7 @@ def test_sharded_run_files(scans: Scans) -> None:
     reports = [
         json.loads((r.out_dir / "metrics.json").read_text()) for r in (scans.plain, scans.resumed)
     ]
-    drop = ("config", "curves")
+    drop = STRUCTURED_KEYS
     flat = [{k: v for k, v in m.items() if k not in drop} for m in reports]
     assert set(flat[0]) == set(flat[1])
     # the same tokens; log-probs within the bound above, so compare the counts exactly

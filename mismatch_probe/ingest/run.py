@@ -176,6 +176,7 @@ def run_metadata(
             "prompt_text": False,
             "support_flip": False,
             "sampling_parameters": False,
+            "train_entropy": False,  # logs hold log-probs, not the logits an entropy needs
         },
         "off_policy": off_policy,
         "versions": library_versions(),

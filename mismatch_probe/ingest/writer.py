@@ -6,7 +6,8 @@ footer statistics locate each step exactly (``store.step_row_groups``). Memory i
 
 The token store is the scan's schema (``store.TOKEN_SCHEMA``) with a ``step`` column and
 without ``setting`` and ``support_flip`` (an ingested run has one source and no flip flags);
-``token_text`` only when a tokenizer is given. Log-probs the framework left non-finite are
+``token_text`` only when a tokenizer is given; ``train_entropy`` is null (logs hold
+log-probabilities, not logits). Log-probs the framework left non-finite are
 nulls, which the metric engine reads as padding. Token ids and positions outside int32's
 ``0..2**31-1`` are refused (a cast would store another number). Ids: ``seq_id`` counts
 sequences over the run; ``prompt_id`` numbers the framework's group keys in order of appearance
@@ -39,7 +40,7 @@ def token_schema(with_text: bool) -> pa.Schema:
     fields = [pa.field("step", pa.int64(), nullable=False)]
     fields += [_FIELDS[n] for n in names]
     fields += [pa.field(n, pa.float32()) for n in ("rollout_logprob", "train_logprob")]
-    return pa.schema(fields)
+    return pa.schema([*fields, store.ENTROPY_FIELD])  # train_entropy: null, no logits here
 
 
 SEQUENCE_SCHEMA = pa.schema(
@@ -156,6 +157,7 @@ class RunStoreWriter:
             "token_id": token_ids,
             "rollout_logprob": _nullable(rollout),
             "train_logprob": _nullable(train),
+            "train_entropy": pa.nulls(len(token_ids), pa.float32()),
         }
         if self.tokenizer is not None:
             from mismatch_probe.pipeline.tables import decode_tokens

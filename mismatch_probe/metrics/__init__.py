@@ -18,6 +18,10 @@ Flat key scheme:
   ``seq_mult_prob_error_{max,mean,min}``, ``k3_kl_reverse`` (+ ``k3_kl_reverse_overflow``),
   ``bitwise_identical_fraction``, ``ratio_tokens_different``,
   ``first_token_abs_log_ratio_mean``, ``rest_abs_log_ratio_mean``;
+* spec section 7 (``decisions``, ``outliers``, ``entropy``): ``clip_fraction_0.2``,
+  ``clip_fraction_0.28``, ``outlier_share_top1pct`` and, when the store has
+  ``train_entropy``, ``entropy_mean``; ``threshold_sweep`` and ``outliers`` are lists of records
+  beside the flat keys (``to_json_dict()``, ``MetricsResult.tables``);
 * counts ``num_tokens``, ``num_sequences``, ``num_valid_sequences``;
 * overflow flags ``k3_kl_overflow``, ``ppl_overflow`` (1.0 when the value was capped);
 * ``presets/<name>/token_masked_fraction``, ``.../seq_masked_fraction``,
@@ -37,7 +41,8 @@ Choices where the spec leaves room (verl's behaviour unless it would give NaN/in
 Module map: ``config`` (parsing, validation), ``batch`` (token batches, per-sequence
 reductions), ``weights`` (IS), ``rejection`` (RS), ``offpolicy``, ``parity``, ``diagnostics``,
 ``curves``, ``attribution`` (links between the rungs of ``--attribute``, per setting),
-``preset_metrics``, ``stream`` (the one-pass ``MetricEngine``). Numbers only: the tables that
+``preset_metrics``, ``decisions`` (clip fractions, threshold sweep), ``outliers``, ``entropy``,
+``stream`` (the one-pass ``MetricEngine``). Numbers only: the tables that
 show them are ``report.metrics_table``; the dense oracle that checks them lives in ``tests/``.
 """
 

@@ -51,6 +51,10 @@ class TokenBatch(NamedTuple):
         flip: ``[N]`` bool support-flip flags, or None when the store has no such column.
         token_id: ``[N]`` int64 token ids, or None.
         memo: results of ``per_batch`` functions on this batch (filled lazily).
+        prompt_id: ``[S_b]`` int64 ``prompt_id`` of each sequence, or None.
+        sample_id: ``[S_b]`` int64 ``sample_id`` of each sequence, or None.
+        entropy: ``[N]`` float64 ``train_entropy`` (nats; NaN where null or padding), or None
+            when the store has no such column.
     """
 
     train: np.ndarray
@@ -66,6 +70,9 @@ class TokenBatch(NamedTuple):
     flip: np.ndarray | None
     token_id: np.ndarray | None
     memo: dict[Any, Any]
+    prompt_id: np.ndarray | None = None
+    sample_id: np.ndarray | None = None
+    entropy: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -113,7 +120,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
     """A pyarrow table of whole, contiguous sequences -> ``TokenBatch``.
 
     Reads ``seq_id``, ``position``, ``train_logprob``, ``rollout_logprob`` and, when present,
-    ``support_flip`` and ``token_id``.
+    ``support_flip``, ``token_id``, ``prompt_id``, ``sample_id`` and ``train_entropy``.
     """
     seq = _int_column(table, "seq_id")
     train_raw, train_ok = _column(table, "train_logprob")
@@ -130,7 +137,9 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
     flip = None
     if "support_flip" in table.column_names:
         flip = pc.fill_null(table.column("support_flip"), False).to_numpy().astype(bool)
-    token_id = _int_column(table, "token_id") if "token_id" in table.column_names else None
+    names = table.column_names
+    token_id = _int_column(table, "token_id") if "token_id" in names else None
+    ids = {k: _int_column(table, k)[starts] for k in ("prompt_id", "sample_id") if k in names}
     return TokenBatch(
         train=train,
         rollout=rollout,
@@ -145,7 +154,17 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
         flip=flip,
         token_id=token_id,
         memo={},
+        prompt_id=ids.get("prompt_id"),
+        sample_id=ids.get("sample_id"),
+        entropy=_entropy_column(table, m) if "train_entropy" in names else None,
     )
+
+
+def _entropy_column(table: pa.Table, m: np.ndarray) -> np.ndarray:
+    """``[N]`` float64 ``train_entropy``, NaN where null, non-finite or padding."""
+    values, ok = _column(table, "train_entropy")
+    with np.errstate(invalid="ignore"):
+        return np.where(ok & m & np.isfinite(values), values, np.nan)
 
 
 def prob(logprob: np.ndarray) -> np.ndarray:

@@ -126,6 +126,10 @@ class Integrity:
         """The findings of one step (the run's with ``None``)."""
         return self.findings if step is None else self.steps.get(step, ())
 
+    def error_checks(self, step: int | None = None) -> list[str]:
+        """The checks with an error finding (of ``step``; the run's with ``None``), each once."""
+        return list(dict.fromkeys(f.check for f in errors(self.of_step(step))))
+
     def to_json_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"findings": [f.to_dict() for f in self.findings]}
         data["masks_applied"] = list(self.masks_applied)

@@ -7,13 +7,15 @@ a 2,000-sequence sample), whatever the number of tokens.
 
 The result is a ``MetricsResult``: ``flat()`` is one ``{name: float}`` dict, finite everywhere,
 with the spec's names (``kl``, ``rollout_is_mean``, ...) and ours (``f_tau_2``,
-``presets/token_is/eff_sample_size``, ...); ``to_json_dict()`` adds ``config`` and ``curves``.
+``presets/token_is/eff_sample_size``, ...); ``to_json_dict()`` adds ``config``, ``curves`` and
+the tables of spec section 7 (``threshold_sweep``, ``outliers``), which are lists of records,
+not flat keys (``STRUCTURED_KEYS`` names every non-flat key of ``metrics.json``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,8 +27,11 @@ from mismatch_probe.metrics.accum import Counts
 from mismatch_probe.metrics.batch import TokenBatch, batch_from_table
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.metrics.curves import CurvesAccumulator
+from mismatch_probe.metrics.decisions import DecisionAccumulator
 from mismatch_probe.metrics.diagnostics import DiagnosticsAccumulator
+from mismatch_probe.metrics.entropy import EntropyAccumulator
 from mismatch_probe.metrics.offpolicy import OffPolicyAccumulator
+from mismatch_probe.metrics.outliers import OutlierAccumulator
 from mismatch_probe.metrics.parity import ParityAccumulator
 from mismatch_probe.metrics.preset_metrics import PresetAccumulator
 from mismatch_probe.metrics.rejection import RSAccumulator
@@ -40,7 +45,14 @@ from mismatch_probe.store import (
     step_row_groups,
 )
 
-OPTIONAL_COLUMNS = ("support_flip", "token_id")
+OPTIONAL_COLUMNS = ("support_flip", "token_id", "prompt_id", "sample_id", "train_entropy")
+# The keys of metrics.json that are not flat metrics: records, tables, the configuration.
+STRUCTURED_KEYS = ("config", "curves", "threshold_sweep", "outliers", "recommendation")
+
+
+def flat_part(data: dict[str, Any]) -> dict[str, float]:
+    """The flat ``{name: float}`` metrics of a ``metrics.json``-shaped dict."""
+    return {k: float(v) for k, v in data.items() if k not in STRUCTURED_KEYS}
 
 
 class Accumulator(Protocol):
@@ -56,14 +68,17 @@ class MetricsResult:
     config: MetricsConfig
     scalars: dict[str, float]
     curves: dict[str, Any]
+    tables: dict[str, Any] = field(default_factory=dict)  # threshold_sweep, outliers
 
     def flat(self) -> dict[str, float]:
         """``{name: value}``, every value a finite float."""
         return dict(self.scalars)
 
     def to_json_dict(self) -> dict[str, Any]:
-        """``flat()`` plus ``config`` (the settings used) and ``curves`` (see ``curves.py``)."""
-        return {**self.scalars, "config": self.config.describe(), "curves": self.curves}
+        """``flat()`` plus ``config`` (the settings used), ``curves`` (see ``curves.py``) and
+        ``tables`` (``threshold_sweep``: see ``decisions.py``; ``outliers``: ``outliers.py``)."""
+        data = {**self.scalars, "config": self.config.describe(), "curves": self.curves}
+        return {**data, **self.tables}
 
 
 class MetricEngine:
@@ -74,12 +89,16 @@ class MetricEngine:
         self.counts = Counts()
         self.diagnostics = DiagnosticsAccumulator(has_flip)
         self.curves = CurvesAccumulator()
+        self.decisions = DecisionAccumulator()
+        self.outliers = OutlierAccumulator()
+        self.entropy = EntropyAccumulator()
         parts: list[Accumulator] = []
         if config.is_spec is not None:
             parts.append(ISAccumulator(config.is_spec, config.batch_normalize))
         if config.rs_specs:
             parts.append(RSAccumulator(config.rs_specs))
         parts += [OffPolicyAccumulator(), ParityAccumulator(), self.diagnostics, self.curves]
+        parts += [self.decisions, self.outliers, self.entropy]
         parts += [PresetAccumulator(p) for p in config.preset_specs]
         self.parts = parts
 
@@ -88,7 +107,8 @@ class MetricEngine:
         for part in self.parts:
             part.update(b)
 
-    def result(self, source: str) -> MetricsResult:
+    def result(self, source: str, setting: str | None = None) -> MetricsResult:
+        """The metrics; ``setting`` names the rows they cover (in each outlier record)."""
         if self.counts.tokens == 0:
             raise ProbeError(f"{source}: no valid response token")
         scalars = self.counts.scalars()
@@ -97,8 +117,14 @@ class MetricEngine:
         bad = [k for k, v in scalars.items() if not math.isfinite(v)]
         if bad:  # a bug, not bad input: every formula is meant to stay finite
             raise AssertionError(f"non-finite metrics: {', '.join(bad)}")
-        curves = {**self.diagnostics.curves(self.counts), **self.curves.curves(self.counts)}
-        return MetricsResult(self.config, scalars, curves)
+        c = self.counts
+        curves = {**self.diagnostics.curves(c), **self.curves.curves(c)}
+        curves.update({**self.decisions.curves(c), **self.entropy.curves(c)})
+        tables = {
+            "threshold_sweep": self.decisions.sweep(c),
+            "outliers": [{"setting": setting, **rec} for rec in self.outliers.outliers()],
+        }
+        return MetricsResult(self.config, scalars, curves, tables)
 
 
 def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.Table:
@@ -161,4 +187,5 @@ def compute_metrics(
         if table.num_rows:
             engine.update(batch_from_table(table))
     _check_settings(path, setting, seen)
-    return engine.result(str(path) if step is None else f"{path} step {step}")
+    covered = setting if setting is not None or len(seen) != 1 else next(iter(seen))
+    return engine.result(str(path) if step is None else f"{path} step {step}", covered)

@@ -88,6 +88,7 @@ class ScanConfig:
     model: Path | None = None
     prompts: Path | None = None
     num_prompts: int | None = None
+    prompt_ids: tuple[int, ...] | None = None  # only these prompts (their store prompt_id)
     samples_per_prompt: int = 1
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     rollout_dtypes: tuple[str, ...] = ("bfloat16",)
@@ -139,6 +140,14 @@ class ScanConfig:
         if self.train_device_map is not None:
             check_choices((self.train_device_map,), DEVICE_MAPS, "--train-device-map")
         checks = [
+            (
+                self.prompt_ids is None or self.num_prompts is None,
+                "--prompt-id and --num-prompts: give one or the other",
+            ),
+            (
+                self.prompt_ids is None or (bool(self.prompt_ids) and min(self.prompt_ids) >= 0),
+                f"--prompt-id must be >= 0, got {self.prompt_ids}",
+            ),
             (s.logprobs_mode in ("processed", "raw"), "--logprobs-mode: processed or raw"),
             (not self.resume or self.out is not None, "--resume needs the --out of the run"),
             (not self.resume or self.sharded, "--resume applies to a sharded scan (--shards)"),
@@ -211,6 +220,7 @@ class ScanConfig:
             logprobs_mode = "raw" if options.get("attribute") else SamplingSpec().logprobs_mode
         sampling = SamplingSpec(temperature, top_p, top_k, max_tokens, seed, logprobs_mode)  # type: ignore[arg-type]
         engine_args, invariant = split_args(parse_engine_args(vllm_arg or []))
+        prompt_id = options.pop("prompt_id", None)  # repeatable: the prompts' store prompt_id
         lists: dict[str, Any] = {
             field: parse(options.pop(name), f"--{name.replace('_', '-')}")
             for field, (name, parse) in LIST_OPTIONS.items()
@@ -219,6 +229,7 @@ class ScanConfig:
             sampling=sampling,
             vllm_args=engine_args,
             batch_invariant=invariant,
+            prompt_ids=tuple(prompt_id) if prompt_id else None,
             **lists,
             **options,
         )

@@ -40,7 +40,13 @@ from mismatch_probe.pipeline.runinfo import run_metadata, run_record
 from mismatch_probe.pipeline.tables import sequence_table, token_table, with_setting_columns
 from mismatch_probe.pipeline.timing import Timer
 from mismatch_probe.progress import make_progress
-from mismatch_probe.prompts import Prompt, default_prompts_path, encode_prompts, load_prompts
+from mismatch_probe.prompts import (
+    Prompt,
+    default_prompts_path,
+    encode_prompts,
+    load_prompts,
+    select_prompts,
+)
 from mismatch_probe.settings import RolloutSetting, Setting
 from mismatch_probe.training import devices
 
@@ -81,7 +87,11 @@ def check_inputs(cfg: ScanConfig, out: bool = True) -> Inputs:
     if out and out_dir is None:
         out_dir = check_out(cfg, cfg.out_dir(models.model_name(model_dir)), create=False)
     prompts_path = (cfg.prompts or default_prompts_path()).resolve()
-    return Inputs(model_dir, prompts_path, load_prompts(prompts_path, cfg.num_prompts), out_dir)
+    if cfg.prompt_ids is None:
+        prompts = load_prompts(prompts_path, cfg.num_prompts)
+    else:  # ids are line indices: a selected prompt keeps its id, hence its request seeds
+        prompts = select_prompts(load_prompts(prompts_path), cfg.prompt_ids, prompts_path)
+    return Inputs(model_dir, prompts_path, prompts, out_dir)
 
 
 def prepare(cfg: ScanConfig, out: bool = True) -> Prepared:

@@ -45,6 +45,10 @@ def token_table(
     token_ids = np.array([t for r in rollouts for t in r.response_ids], dtype=np.int32)
     texts = decode_tokens(tokenizer, token_ids)
     per_seq = lambda values, dtype: np.repeat(np.array(values, dtype=dtype), lengths)  # noqa: E731
+    entropy = {}  # train_entropy, when the rescorer gave it (store.token_schema adds the field)
+    entropies = [s.entropy for s in scored if s.entropy is not None]
+    if scored and len(entropies) == len(scored):
+        entropy["train_entropy"] = _concat(entropies, np.float32)
     return pa.table(
         {
             "setting": pa.array([setting] * len(token_ids), pa.string()),
@@ -59,6 +63,7 @@ def token_table(
             ),
             "train_logprob": _concat([s.logprobs for s in scored], np.float32),
             "support_flip": _concat([s.support_flip for s in scored], np.bool_),
+            **entropy,
         }
     )
 

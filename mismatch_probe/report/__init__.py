@@ -11,6 +11,8 @@ shown first in every report, and ``integrity.json``), ``verdicts`` (health check
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
 (matplotlib PNGs), ``markdown`` (report.md), ``html`` (report.html from the Markdown),
 ``comment`` (the pull-request comment), ``settings`` (a matrix run's settings side by side),
+``recommend`` (the recommendation rule), ``decisions`` (its sections: recommendation, threshold
+sweep, outliers, entropy), ``rescan`` (the command that re-scans one prompt),
 ``routing`` (the MoE section and plots, from routing.json), ``compare`` (several runs side by
 side), ``check`` (bounds for CI), ``baseline`` and ``bootstrap`` (the gate against a baseline
 run), ``metrics_table`` (``probe metrics``' tables), ``summary`` (the scan's last word). This is
@@ -20,7 +22,7 @@ the run directory: no model, no tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,7 @@ def load_report(
     run: dict[str, Any] | None = None,
     order: list[str] | None = None,
     settings: tuple[str, ...] = (),
+    integrity_errors: Sequence[str] = (),
 ) -> tuple[RunContext, list[Entry]]:
     """Load what a report shows: the run (its reference setting when the store holds several)
     and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
@@ -65,6 +68,9 @@ def load_report(
         order: the settings in the scan's order (first = the reference), with ``run``.
         settings: only these settings of a matrix run (``--setting``); the first of them in
             the scan's order is the reference. () means every setting.
+        integrity_errors: integrity checks known to have found an error beside the run's own
+            (the run's store is checked here; its errors turn the recommendation into
+            "investigate first").
     """
     from dataclasses import replace
 
@@ -84,9 +90,11 @@ def load_report(
     reference = chosen[0]
     given = dict(computed or {})
     first = given.get(reference or names[0]) if names else None
-    ctx = load_run(run_dir, metrics_config, reference, data=first, run=run)
-    ctx = replace(ctx, integrity=run_integrity(run_dir, ctx.run))  # recomputed from the store
-    entries = setting_entries(run_dir, metrics_config, given, names)
+    integrity = run_integrity(run_dir, run)  # recomputed from the store
+    errors = list(dict.fromkeys([*integrity_errors, *integrity.error_checks()]))
+    ctx = load_run(run_dir, metrics_config, reference, first, run, errors)
+    ctx = replace(ctx, integrity=integrity)
+    entries = setting_entries(run_dir, metrics_config, given, names, errors, ctx.run)
     if settings and len(names) > 1:
         entries = [e for e in entries if e.label in chosen]
     return ctx, entries

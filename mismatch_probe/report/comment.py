@@ -37,6 +37,7 @@ from mismatch_probe.report.terminal import HIST_WIDTH, _bar, _hist_rows
 from mismatch_probe.report.verdicts import FAIL, NA, PASS, evaluate
 
 COMMENT_LIMIT = 60_000
+COMMENT_OUTLIERS = 5  # outliers listed in a comment (report.md has all of them)
 CLIP = 48  # characters of model text kept per piece (token, context before, context after)
 FORMATS = ("terminal", "pr-comment")
 # Which way a key metric is better, for the arrows; a metric not listed is neutral (a count).
@@ -55,6 +56,9 @@ BETTER: dict[str, str] = {
     "rollout_is_eff_sample_size": "higher",
     "seq_log_ratio_slope_per_1k": "closer to 0",
     "support_flip_fraction": "lower",
+    "clip_fraction_0.2": "lower",
+    "clip_fraction_0.28": "lower",
+    "outlier_share_top1pct": "lower",
 }
 FOOTER = "<sub>Plots and the full report: `report.html` in the run directory.</sub>"
 
@@ -227,8 +231,11 @@ def _integrity_lines(ctx: RunContext) -> list[str]:
 
 
 def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
-    """The comment of one run (``probe report RUN --format pr-comment``); a matrix run's
-    (``entries``: its settings) starts with every setting judged."""
+    """The comment of one run (``probe report RUN --format pr-comment``): data integrity and
+    the recommendation first; a matrix run's (``entries``: its settings) then has every setting
+    judged and each setting's recommendation."""
+    from mismatch_probe.report import decisions
+
     model = escape(ctx.run.get("model", {}).get("name", ctx.label))
     verdicts = evaluate(ctx.metrics)
     counts = verdict_counts([v.status for v in verdicts])
@@ -240,6 +247,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         top = [("Every setting", every_setting_markdown(judged, ctx.label, "####"))]
         counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
+    head += decisions.recommendation_md(ctx.tables)
     parts = [
         ("Header", head),
         *top,
@@ -247,6 +255,22 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
         *_tail(ctx),
     ]
+    sweep = decisions.sweep_md(ctx.tables)
+    if sweep:  # after the key metrics
+        at = [name for name, _ in parts].index("Key metrics") + 1
+        parts.insert(at, ("Threshold sweep", titled("Threshold sweep", sweep)))
+    if entries and len(entries) > 1:  # right after every setting judged
+        per_setting = [
+            "#### Recommendation per setting",
+            "",
+            *decisions.settings_recommendations_md(list(entries))[2:],
+        ]
+        parts.insert(1 + len(top), ("Recommendation per setting", per_setting))
+    clipped = tuple(clip_token(o) for o in ctx.outliers)  # type: ignore[arg-type]
+    clipped_ctx = dataclasses.replace(ctx, outliers=clipped)  # type: ignore[arg-type]
+    outliers = decisions.outliers_md(clipped_ctx, COMMENT_OUTLIERS)
+    if outliers:
+        parts.append(("Outliers", details("Outliers (the top 5)", outliers)))
     every = all_metrics_section(ctx.metrics)
     parts.append(("Every metric", every))
     return fit(parts)

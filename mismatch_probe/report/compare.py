@@ -11,7 +11,7 @@ which the reports print as a warning: such runs measure different things.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ class Entry:
     label: str
     metrics: dict[str, float]
     curves: dict[str, Any]
+    tables: dict[str, Any] = field(default_factory=dict)  # context.decision_tables
 
 
 @dataclass(frozen=True)

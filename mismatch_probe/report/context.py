@@ -12,7 +12,8 @@ Sign convention: ``r = train_logprob - rollout_logprob``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,13 +24,15 @@ from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
 from mismatch_probe.metrics.integrity import Integrity
+from mismatch_probe.metrics.stream import STRUCTURED_KEYS, flat_part
 
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
 CAUSES = {True: "support flip", False: "numeric drift", None: "unknown"}
 # What a stored metrics.json must hold to be reused (else the metrics are recomputed).
 CURVES = ("f_tau", "log_ratio_hist", "position_bins", "prob_hist2d", "rollout_prob_bins",
-          "seq_log_ratio_vs_length", "worst_tokens")  # fmt: skip
+          "seq_log_ratio_vs_length", "worst_tokens", "seq_weight_hist", "entropy")  # fmt: skip
+TABLES = ("threshold_sweep", "outliers")  # ... and these lists of records (spec section 7)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,16 @@ class WorstToken:
 
 
 @dataclass(frozen=True)
+class OutlierToken:
+    """An outlier sequence (an ``outliers`` record) with its worst token's text in context."""
+
+    record: dict[str, Any]
+    text: str
+    before: str
+    after: str
+
+
+@dataclass(frozen=True)
 class RunContext:
     """Everything a report shows about one run (one setting).
 
@@ -70,6 +83,9 @@ class RunContext:
             several); None for the whole store.
         integrity: the data-integrity findings of the whole run (``load_report`` computes
             them; None when not loaded).
+        tables: what spec section 7 stores beside the flat metrics: ``threshold_sweep``,
+            ``outliers`` (each with its re-scan ``command``) and ``recommendation``.
+        outliers: the outlier records with their worst token in context.
     """
 
     run_dir: Path
@@ -80,6 +96,8 @@ class RunContext:
     worst: tuple[WorstToken, ...]
     setting: str | None = None
     integrity: Integrity | None = None
+    tables: dict[str, Any] = field(default_factory=dict)
+    outliers: tuple[OutlierToken, ...] = ()
 
     @property
     def tokens_path(self) -> Path:
@@ -92,8 +110,8 @@ class RunContext:
         return setting if isinstance(setting, str) and setting else self.run_dir.name
 
     def json_dict(self) -> dict[str, Any]:
-        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves``."""
-        return {**self.metrics, "config": self.config, "curves": self.curves}
+        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves`` + ``tables``."""
+        return {**self.metrics, "config": self.config, "curves": self.curves, **self.tables}
 
 
 def load_run(
@@ -102,6 +120,7 @@ def load_run(
     setting: str | None = None,
     data: dict[str, Any] | None = None,
     run: dict[str, Any] | None = None,
+    integrity_errors: Sequence[str] = (),
 ) -> RunContext:
     """Load a run directory written by ``probe scan``.
 
@@ -116,6 +135,8 @@ def load_run(
             already with ``metrics_config`` (default config when None): nothing is recomputed.
         run: the run metadata when the caller has it (a scan finishing): ``run.json`` is not
             read (an earlier run's may still be there).
+        integrity_errors: names of the integrity checks that found an error (the
+            recommendation then says to investigate first).
 
     Raises:
         ProbeError: not a run directory, or an unreadable token store.
@@ -127,16 +148,20 @@ def load_run(
     store.open_parquet(tokens)
     if data is None or (metrics_config is not None and data["config"] != metrics_config.describe()):
         data = _metrics_data(run_dir, metrics_config, setting)
-    flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
+    flat = flat_part(data)
     curves = data["curves"]
+    run = _run_metadata(run_dir) if run is None else run
+    tables = decision_tables(run, data, integrity_errors)
     return RunContext(
         run_dir=run_dir,
-        run=_run_metadata(run_dir) if run is None else run,
+        run=run,
         metrics=flat,
         config=data["config"],
         curves=curves,
         worst=_with_causes(run_dir, setting, worst_tokens(tokens, curves.get("worst_tokens", []))),
         setting=setting,
+        tables=tables,
+        outliers=tuple(outlier_tokens(tokens, tables["outliers"])),
     )
 
 
@@ -152,6 +177,20 @@ def _with_causes(
     return tuple(
         dataclasses.replace(t, known=tuple(found.get((t.seq_id, t.position), []))) for t in worst
     )
+
+
+def decision_tables(
+    run: dict[str, Any], data: dict[str, Any], integrity_errors: Sequence[str] = ()
+) -> dict[str, Any]:
+    """``threshold_sweep``, ``outliers`` (with their re-scan ``command``) and the
+    ``recommendation`` of one setting's metrics (``MetricsResult.to_json_dict()``)."""
+    from mismatch_probe.report.recommend import recommend
+    from mismatch_probe.report.rescan import rescan_command
+
+    sweep = data.get("threshold_sweep", [])
+    outliers = [{**o, "command": rescan_command(run, o)} for o in data.get("outliers", [])]
+    found = recommend(flat_part(data), data["config"], sweep, integrity_errors)
+    return {"threshold_sweep": sweep, "outliers": outliers, "recommendation": found.to_dict()}
 
 
 def _run_metadata(run_dir: Path) -> dict[str, Any]:
@@ -175,7 +214,8 @@ def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
         return None
     ok = isinstance(data, dict) and isinstance(data.get("curves"), dict) and "config" in data
     ok = ok and all(name in data["curves"] for name in CURVES) and "k3_kl" in data
-    flat = [v for k, v in data.items() if k not in ("config", "curves")] if ok else []
+    ok = ok and all(isinstance(data.get(name), list) for name in TABLES)
+    flat = [v for k, v in data.items() if k not in STRUCTURED_KEYS] if ok else []
     numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat)
     return data if ok and numbers else None
 
@@ -205,6 +245,24 @@ def _token_texts(path: Path, seq_ids: list[int]) -> dict[int, tuple[np.ndarray, 
         rows = np.flatnonzero(seq == sid)
         rows = rows[np.argsort(pos[rows], kind="stable")]
         out[sid] = (pos[rows], [text[i] or "" for i in rows])
+    return out
+
+
+def outlier_tokens(path: Path, records: list[dict[str, Any]]) -> list[OutlierToken]:
+    """Each outlier record with the text around its worst token (empty without token text)."""
+    texts = _token_texts(path, sorted({int(r["seq_id"]) for r in records}))
+    out = []
+    for rec in records:
+        positions, words = texts.get(int(rec["seq_id"]), (np.zeros(0, int), []))
+        hit = np.flatnonzero(positions == rec["worst_position"])
+        i = int(hit[0]) if len(hit) else -1
+        if i < 0:
+            out.append(OutlierToken(rec, "", "", ""))
+            continue
+        before = "".join(words[max(i - CONTEXT_BEFORE, 0) : i])
+        out.append(
+            OutlierToken(rec, words[i], before, "".join(words[i + 1 : i + 1 + CONTEXT_AFTER]))
+        )
     return out
 
 

@@ -130,18 +130,24 @@ def all_metrics_section(metrics: dict[str, float]) -> list[str]:
 def render_markdown(
     ctx: RunContext, plots: dict[str, tuple[Path, str]], top: list[str] | None = None
 ) -> str:
-    """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title); ``top``
-    (every setting of a matrix run judged) comes right after the title."""
+    """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title); the data
+    integrity and the recommendation come first, then ``top`` (every setting of a matrix run
+    judged)."""
+    from mismatch_probe.report import decisions
+
     title = f"# Mismatch report: {escape(ctx.run.get('model', {}).get('name', ctx.label))}"
     lines = [
         title,
         "",
         *integrity_markdown(ctx.integrity),
+        *decisions.recommendation_md(ctx.tables),
         *(top or []),
         *settings_section(ctx),
         *verdict_section(evaluate(ctx.metrics)),
     ]
     lines += key_metrics_section(ctx.metrics) + presets_section(ctx)
+    lines += decisions.sweep_md(ctx.tables)
     lines += plots_section(plots, ctx.run_dir) + worst_section(ctx.worst)
+    lines += decisions.outliers_md(ctx) + decisions.entropy_md(ctx)
     lines += all_metrics_section(ctx.metrics)
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""The six PNG plots of one run, and the curve drawers ``compare`` overlays.
+"""The PNG plots of one run, the curve drawers ``compare`` overlays, and a matrix's
+``k3_kl`` per setting.
 
 Each plot is a 6.5 x 4 inch figure at 110 dpi (about 715 x 440 px: legible at PR-comment
 width, tens of KB), titled with what it shows and with units on its axes. Figures are built
@@ -266,6 +267,177 @@ def plot_prob_bins(fig: Figure, ax: Axes, ctx: RunContext) -> None:
     ax.legend(handles=handles, fontsize=8, loc="upper right")
 
 
+def plot_threshold_sweep(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    """Masked share of tokens (solid) and sequences (dashed) per family against its threshold
+    (log x: C for the ratio families, U for seq_mean_k3), the presets' defaults marked."""
+    from mismatch_probe.report.decisions import FAMILY_LABELS, preset_marks, sweep_by_family
+
+    by_family = sweep_by_family(ctx.tables.get("threshold_sweep", []))
+    marks = preset_marks()
+    for family, rows in by_family.items():
+        x = [r["threshold"] for r in rows]
+        (line,) = ax.plot(
+            x,
+            [r["token_fraction"] for r in rows],
+            marker="o",
+            markersize=3,
+            label=FAMILY_LABELS[family],
+        )
+        ax.plot(x, [r["seq_fraction"] for r in rows], linestyle="--", color=line.get_color())
+        for r in rows:
+            if (family, r["threshold"]) in marks:
+                star: dict[str, Any] = {"marker": "*", "markersize": 13, "markeredgecolor": "black"}
+                ax.plot(
+                    r["threshold"],
+                    r["token_fraction"],
+                    color=line.get_color(),
+                    linestyle="none",
+                    **star,
+                )
+    pop = ctx.metrics.get("presets/token_icepop/token_masked_fraction")
+    if pop is not None:  # the IcePop preset's bounds are not symmetric: its own value
+        ax.plot(
+            5.0,
+            pop,
+            marker="D",
+            color="tab:orange",
+            markeredgecolor="black",
+            linestyle="none",
+            label="token_icepop preset [0.5, 5]",
+        )
+    ax.plot(
+        [],
+        [],
+        marker="*",
+        markersize=11,
+        color="0.6",
+        markeredgecolor="black",
+        linestyle="none",
+        label="a preset's default",
+    )
+    ax.plot([], [], linestyle="--", color="0.4", label="dashed: share of sequences")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_ylim(0.0, 1.05)
+    ax.set_xlabel("threshold: U for seq_mean_k3 (left), C for the ratio families (right)")
+    ax.set_ylabel("share masked or truncated (symlog)")
+    ax.legend(fontsize=7, loc="upper center")
+
+
+def plot_seq_weights(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    """Sequences per bin of the sequence IS weight exp(s_i), with the sequence-level bounds."""
+    hist = ctx.curves.get("seq_weight_hist") or {"counts": [], "lo": -3.0, "hi": 3.0}
+    draw_ratio_hist(ax, {"log_ratio_hist": hist})
+    ax.set_xlabel("sequence IS weight exp(Σ log ρ) (log scale)")
+    log_y(ax, np.asarray(hist["counts"], dtype=float), "sequences per bin")
+    seq_is = parse_is("sequence", PRESETS["seq_is"].rollout_is_threshold)
+    assert seq_is is not None
+    ax.axvline(
+        seq_is.upper, color="tab:red", linestyle="--", label=f"seq_is: TIS cap C = {seq_is.upper:g}"
+    )
+    spec = PRESETS["seq_is_rs"]
+    low, high = (float(x) for x in str(spec.rollout_rs_threshold).split("_"))
+    for x in (low, high):
+        ax.axvline(x, color="tab:purple", linestyle=":", linewidth=1.5)
+    ax.plot(
+        [],
+        [],
+        color="tab:purple",
+        linestyle=":",
+        label=f"seq_is_rs: {spec.rollout_rs} keeps [{low:g}, {high:g}]",
+    )
+    outside = hist.get("underflow", 0) + hist.get("overflow", 0)
+    if outside:
+        ax.text(
+            0.01,
+            0.97,
+            f"{outside:,} sequences beyond the axis",
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+        )
+    ax.margins(x=0.08)
+    ax.legend(fontsize=8, loc="upper right")
+
+
+def plot_entropy(fig: Figure, ax: Axes, ctx: RunContext) -> None:
+    """Mean |log rho| (bars) and mean k3 (line, right axis) per decile of train_entropy."""
+    curve = ctx.curves.get("entropy") or {}
+    bins = curve.get("bins") or []
+    if not curve.get("available") or not bins:
+        ax.text(
+            0.5,
+            0.5,
+            "no train_entropy in this store\n(ingested logs hold log-probs, "
+            "not logits;\nstores written before the column lack it)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+        ax.set_axis_off()
+        return
+    x = np.arange(len(bins))
+    means = np.array([b["mean_abs_log_ratio"] for b in bins])
+    ax.bar(x, means, color="tab:blue", label="mean |log ρ| (left axis)")
+    log_y(ax, means, "mean |log ρ| per token, nats")
+    labels = [
+        f"{b['lo']:.2g}–{b['hi']:.2g}" if b["hi"] is not None else f"≥{b['lo']:.2g}" for b in bins
+    ]
+    ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=7)
+    ax.set_xlabel("training-side entropy decile (nats)")
+    k3 = ax.twinx()
+    k3.plot(
+        x,
+        [b["mean_k3"] for b in bins],
+        color="tab:orange",
+        marker="o",
+        markersize=4,
+        label="mean k3 (right axis)",
+    )
+    k3.set_ylabel("mean k3 = ρ − 1 − log ρ")
+    handles = ax.get_legend_handles_labels()[0] + k3.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="upper left")
+
+
+def write_k3_by_setting(entries: list[Any], path: Path) -> tuple[Path, str]:
+    """``k3_kl`` per setting of a matrix (bars coloured by the setting's verdicts: green when
+    none fails), the rule's none-needed bound and any verdict bound on k3_kl drawn."""
+    from mismatch_probe.report.recommend import NONE_NEEDED_K3
+    from mismatch_probe.report.verdicts import FAIL, HEALTH_CHECKS, evaluate
+
+    title = "k3_kl per setting, with the verdict thresholds"
+    fig, ax = new_figure()
+    values = np.array([e.metrics["k3_kl"] for e in entries])
+    failing = [sum(v.status == FAIL for v in evaluate(e.metrics)) for e in entries]
+    colors = ["tab:green" if n == 0 else "tab:red" for n in failing]
+    x = np.arange(len(entries))
+    ax.bar(x, values, color=colors)
+    for i, n in enumerate(failing):
+        ax.text(
+            i, values[i], f"{n} FAIL" if n else "all pass", ha="center", va="bottom", fontsize=7
+        )
+    ax.axhline(
+        NONE_NEEDED_K3,
+        color="0.3",
+        linestyle="--",
+        label=f"none needed below {NONE_NEEDED_K3:g} (recommendation rule)",
+    )
+    for check in HEALTH_CHECKS:
+        if check.metric == "k3_kl":
+            for bound in check.bounds:
+                ax.axhline(bound, color="tab:red", linestyle=":", label=f"verdict: {check.label}")
+    log_y(ax, values, "k3_kl")
+    ax.set_xticks(x, [visible(e.label) for e in entries], rotation=20, ha="right", fontsize=7)
+    from matplotlib.patches import Patch
+
+    handles = ax.get_legend_handles_labels()[0]
+    handles += [Patch(color="tab:green", label="no verdict fails")]
+    handles += [Patch(color="tab:red", label="a verdict fails")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save(fig, path, title, f"{len(entries)} settings, least mismatch first"), title
+
+
 PlotFn = Callable[["Figure", "Axes", RunContext], None]
 # name -> (title, drawer); the file is plots/<name>.png.
 PLOTS: dict[str, tuple[str, PlotFn]] = {
@@ -275,6 +447,12 @@ PLOTS: dict[str, tuple[str, PlotFn]] = {
     "seq_length": ("Sequence log-ratio sum vs response length", plot_seq_length),
     "f_tau": ("F(τ): share of tokens whose ratio exceeds τ either way", plot_f_tau),
     "prob_bins": ("Mismatch by rollout-probability bin", plot_prob_bins),
+    "threshold_sweep": (
+        "How much each correction masks as its threshold moves",
+        plot_threshold_sweep,
+    ),
+    "seq_weights": ("Sequence IS weights with the sequence-level bounds", plot_seq_weights),
+    "entropy": ("Mismatch by training-side entropy", plot_entropy),
 }
 
 

@@ -30,6 +30,10 @@ KEY_METRICS: tuple[tuple[str, str], ...] = (
     ("f_tau_1.1", "share of tokens with max(ρ, 1/ρ) > 1.1"),
     ("f_tau_2", "share of tokens with ρ outside [0.5, 2]"),
     ("rollout_is_eff_sample_size", "IS effective sample size (share of the batch)"),
+    ("clip_fraction_0.2", "share of tokens PPO's clip (|ρ − 1| > 0.2) touches at lr 0"),
+    ("clip_fraction_0.28", "share of tokens DAPO's upper clip (|ρ − 1| > 0.28) touches at lr 0"),
+    ("outlier_share_top1pct", "share of the k3 carried by the top 1% of sequences"),
+    ("entropy_mean", "mean training-side entropy per token (nats)"),
     ("seq_log_ratio_slope_per_1k", "slope of the sequence log-ratio sum (nats per 1K tokens)"),
     ("support_flip_fraction", "share of tokens flagged as a support flip"),
 )
@@ -82,6 +86,10 @@ DIAGNOSTICS = (
     "support_flip_fraction",
     "support_flip_abs_log_ratio_share",
     "support_flip_k3_share",
+    "clip_fraction_0.2",
+    "clip_fraction_0.28",
+    "outlier_share_top1pct",
+    "entropy_mean",
 )
 
 

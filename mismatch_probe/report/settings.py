@@ -8,6 +8,7 @@ during the scan (``settings.json``), a recommendation line, and the overlaid plo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,11 @@ from rich.text import Text
 
 from mismatch_probe import store
 from mismatch_probe.report.compare import Entry, overlay_plots
-from mismatch_probe.report.context import setting_names
+from mismatch_probe.report.context import _run_metadata, decision_tables, setting_names
 from mismatch_probe.report.markdown import escape, num
 from mismatch_probe.report.sections import visible
+
+K3_PLOT = "k3_by_setting.png"
 
 
 def select_settings(
@@ -54,18 +57,24 @@ def setting_entries(
     metrics_config: Any = None,
     computed: dict[str, dict[str, Any]] | None = None,
     names: list[str] | None = None,
+    integrity_errors: Sequence[str] = (),
+    run: dict[str, Any] | None = None,
 ) -> list[Entry]:
     """One ``Entry`` per setting, least ``k3_kl`` first; [] for a single-setting run.
 
     ``computed``: setting name -> metrics already computed with ``metrics_config`` (default
     config when None), reused instead of recomputed. ``names``: the settings (``setting_names``)
-    when the caller has them."""
+    when the caller has them. Each entry's ``tables`` hold its threshold sweep, outliers and
+    recommendation (``context.decision_tables``; ``run``: the run metadata when the caller has
+    it in memory, else the run's own)."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
+    from mismatch_probe.metrics.stream import flat_part
 
     names = setting_names(run_dir) if names is None else names
     if len(names) < 2:
         return []
     speed = _throughput(run_dir)
+    run = _run_metadata(run_dir) if run is None else run
     cfg = metrics_config or MetricsConfig()
     entries = []
     for name in names:
@@ -73,10 +82,11 @@ def setting_entries(
         if data is None or data["config"] != cfg.describe():
             tokens = store.resolve_tokens_path(run_dir)
             data = compute_metrics(tokens, cfg, setting=name).to_json_dict()
-        flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
+        flat = flat_part(data)
         if name in speed:
             flat["rollout_tokens_per_s"] = speed[name]
-        entries.append(Entry(name, flat, data["curves"]))
+        tables = decision_tables(run, data, integrity_errors)
+        entries.append(Entry(name, flat, data["curves"], tables))
     return sorted(entries, key=lambda e: e.metrics["k3_kl"])
 
 
@@ -100,7 +110,9 @@ def judged(entries: list[Entry]) -> list[Any]:
 
 
 def render_settings(entries: list[Entry], console: Console) -> None:
-    """The setting x verdict grid, the matrix table and the recommendation."""
+    """The setting x verdict grid, the matrix table, the lowest-mismatch setting and each
+    setting's recommended correction."""
+    from mismatch_probe.report.decisions import recommendation_text
     from mismatch_probe.report.grid import grid_table, headline, matrix_table
 
     rows = judged(entries)
@@ -111,6 +123,7 @@ def render_settings(entries: list[Entry], console: Console) -> None:
             grid_table(rows),
             matrix_table(rows),
             Text(visible(recommendation(entries)), style="bold"),
+            *(Text(visible(f"  {e.label}: {recommendation_text(e.tables)}")) for e in entries),
         )
     )
 
@@ -123,8 +136,11 @@ def settings_top_markdown(entries: list[Entry], reference: str) -> list[str]:
 
 
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
-    """A ``## Precision settings`` section: the recommendation and the overlaid plots (the
-    settings' table is at the top of the report)."""
+    """A ``## Precision settings`` section: the recommendations, the overlaid plots and k3 per
+    setting (the settings' table is at the top of the report)."""
+    from mismatch_probe.report.decisions import settings_recommendations_md
+    from mismatch_probe.report.plots import write_k3_by_setting
+
     plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings", what="settings")
     lines = [
         f"## Precision settings overlaid ({len(entries)} settings)",
@@ -132,15 +148,11 @@ def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
         f"**{escape(recommendation(entries, num))}**",
         "",
     ]
-    for path, title in plots.values():
+    lines += settings_recommendations_md(entries)
+    k3_plot = write_k3_by_setting(entries, run_dir / store.PLOTS_DIR / "settings" / K3_PLOT)
+    for path, title in [*plots.values(), k3_plot]:
         lines += [f"![{escape(title)}]({path.relative_to(run_dir).as_posix()})", ""]
     return "\n".join(lines)
-
-
-def _run_json(run_dir: Path) -> dict[str, Any]:
-    """``run.json`` ({} when missing or unreadable: it only orders the settings here)."""
-    data = _read(run_dir / store.RUN_FILE)
-    return data if isinstance(data, dict) else {}
 
 
 def _throughput(run_dir: Path) -> dict[str, float]:

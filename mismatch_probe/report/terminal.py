@@ -165,16 +165,23 @@ def worst_table(worst: tuple[WorstToken, ...]) -> Table:
 
 def report_renderables(ctx: RunContext) -> list[RenderableType]:
     """Every part of the terminal report, in order."""
+    from mismatch_probe.report import decisions
+
     tables = [metric_table(title, keys, ctx.metrics) for title, keys in metric_groups(ctx.metrics)]
     parts: list[RenderableType] = [integrity_text(ctx.integrity)] if ctx.integrity else []
-    parts += [header(ctx), Text(), verdict_table(evaluate(ctx.metrics))]
+    parts += [header(ctx), decisions.recommendation_rich(ctx.tables)]
+    parts += [Text(), verdict_table(evaluate(ctx.metrics))]
     parts += [Text(), Columns(tables)]
     presets = preset_table(ctx)
     if presets is not None:
         parts.append(presets)
+    parts += decisions.sweep_rich(ctx.tables)
     parts += [Text(), histogram(ctx.curves["log_ratio_hist"]), Text()]
     if ctx.worst:
         parts.append(worst_table(ctx.worst))
+    outliers = decisions.outliers_rich(ctx)
+    if outliers is not None:
+        parts.append(outliers)
     return parts
 
 

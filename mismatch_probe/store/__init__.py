@@ -84,6 +84,10 @@ RUNG_FIELDS = (
 )
 
 
+# Entropy (nats) of the training-side distribution each token was scored under, from the
+# rescorer's logits. Optional: stores written before it, and ingested runs (no logits), lack it.
+ENTROPY_FIELD = pa.field("train_entropy", pa.float32())
+
 # The precision setting of each row as typed columns (the ``setting`` string parsed), written by
 # scans so that pandas / polars / duckdb filter without parsing; nullable, and absent from stores
 # written before them or by ``probe ingest`` (readers never need them).
@@ -98,8 +102,8 @@ SETTING_FIELDS = (
 
 
 def token_schema(names: Sequence[str]) -> pa.Schema:
-    """``TOKEN_SCHEMA`` plus the rung and setting fields among ``names``."""
-    extra = [f for f in (*RUNG_FIELDS, *SETTING_FIELDS) if f.name in names]
+    """``TOKEN_SCHEMA`` plus ``train_entropy``, the rung and the setting fields among ``names``."""
+    extra = [f for f in (ENTROPY_FIELD, *RUNG_FIELDS, *SETTING_FIELDS) if f.name in names]
     return pa.schema([*TOKEN_SCHEMA, *extra])
 
 
@@ -124,6 +128,8 @@ FIELD_DESCRIPTIONS: dict[str, str] = {
     "(natural log, nats; {rollout})",
     "train_logprob": "log-probability of the same token under the training forward pass "
     "(natural log, nats; {rescoring} logits); r = train_logprob - rollout_logprob",
+    "train_entropy": "entropy of the training-side distribution the token was scored under "
+    "(nats; null for ingested runs, which hold no logits)",
     "support_flip": "the token sat at the top-k/top-p boundary (it could leave the sampled set)",
     "engine_prefill_logprob": "attribution rung L1: engine prefill, sequences batched (nats)",
     "engine_prefill_single_logprob": "attribution rung L2: engine prefill, one sequence per "
@@ -211,7 +217,8 @@ def _is_text(t: pa.DataType) -> bool:
 COLUMN_KINDS: dict[str, tuple[Any, str]] = {
     **{name: (_is_integer, "integers") for name in
        ("seq_id", "prompt_id", "sample_id", "position", "token_id")},
-    **{name: (_is_number, "numbers") for name in ("rollout_logprob", "train_logprob")},
+    **{name: (_is_number, "numbers") for name in
+       ("rollout_logprob", "train_logprob", "train_entropy")},
     "support_flip": (pa.types.is_boolean, "booleans"),
     **{name: (_is_text, "text") for name in ("setting", "token_text")},
 }  # fmt: skip

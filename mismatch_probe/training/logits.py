@@ -2,7 +2,8 @@
 
 ``token_logprobs`` turns training-side logits into the log-probability of given token ids under
 the distribution the engine reports for a ``SamplingSpec`` (raw, or processed: temperature,
-top-k, top-p), and flags support flips at the top-k / top-p boundary.
+top-k, top-p), and flags support flips at the top-k / top-p boundary; ``token_scores`` adds the
+entropy of that distribution (``train_entropy`` in the token store).
 """
 
 from __future__ import annotations
@@ -34,14 +35,63 @@ def token_logprobs(
     """
     import torch
 
+    logits, flip = _processed(logits, spec, flip_eps)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.long()[:, None])[:, 0]
+    return logprobs, flip | torch.isneginf(logprobs)
+
+
+def token_scores(
+    logits: torch.Tensor, targets: torch.Tensor, spec: SamplingSpec, flip_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` plus the entropy of the distribution each target was scored under.
+
+    Args: as ``token_logprobs``.
+
+    Returns:
+        ``(logprobs [N] float32, support_flip [N] bool, entropy [N] float32)``: ``entropy``
+        is ``-sum_v p_v log p_v`` in nats over the processed distribution (tokens a top-k /
+        top-p mask removed have ``p = 0`` and add nothing). It is read from the one ``[N, V]``
+        log-softmax the log-probabilities come from, ``ENTROPY_ROWS`` rows at a time, so no
+        second ``[N, V]`` tensor exists.
+    """
+    import torch
+
+    logits, flip = _processed(logits, spec, flip_eps)
+    logp = torch.log_softmax(logits, dim=-1)
+    del logits  # the processed copy (when one was made) is no longer needed
+    logprobs = logp.gather(1, targets.long()[:, None])[:, 0]
+    return logprobs, flip | torch.isneginf(logprobs), entropy_from_logp(logp)
+
+
+ENTROPY_ROWS = 64  # rows of the [rows, V] temporaries of entropy_from_logp
+
+
+def entropy_from_logp(logp: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` log-probabilities (``-inf`` allowed) -> ``[N]`` entropies in nats."""
+    import torch
+
+    out = torch.empty(logp.shape[0], dtype=logp.dtype, device=logp.device)
+    for i in range(0, logp.shape[0], ENTROPY_ROWS):
+        block = logp[i : i + ENTROPY_ROWS]
+        finite = block.nan_to_num(neginf=0.0)  # p = 0 there: 0 * log 0 counts as 0
+        out[i : i + ENTROPY_ROWS] = -(block.exp() * finite).sum(dim=-1)
+    return out.clamp_(min=0.0)
+
+
+def _processed(
+    logits: torch.Tensor, spec: SamplingSpec, flip_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, V]`` float32 logits as the engine samples from them (temperature, top-k, top-p
+    under ``processes_logits``; untouched for raw scoring) and the ``[N]`` support flips."""
+    import torch
+
     logits = logits.float()
     flip = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     if spec.processes_logits:
         logits = logits / spec.temperature
         if spec.uses_top_k or spec.uses_top_p:
             logits, flip = _top_k_top_p(logits, spec, flip_eps)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, targets.long()[:, None])[:, 0]
-    return logprobs, flip | torch.isneginf(logprobs)
+    return logits, flip
 
 
 def _top_k_top_p(

@@ -2,7 +2,8 @@
 
 It knows nothing about vLLM: it takes token ids (prompt, response) and returns, per response
 token, the log-probability the training-precision model gives that exact token after the same
-prefix, processed like the engine's (``sampling.token_logprobs``), plus the support-flip flag.
+prefix, processed like the engine's (``logits.token_scores``), the support-flip flag, and the
+entropy of the distribution it was scored under (from the same chunked logits).
 
 Batching: sequences are sorted by length and packed into right-padded batches of at most
 ``batch_tokens`` padded tokens. Right padding keeps every real token at its true position
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.sampling import SamplingSpec
-from mismatch_probe.training.logits import token_logprobs
+from mismatch_probe.training.logits import token_scores
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,6 +48,7 @@ class Scored:
 
     logprobs: np.ndarray  # [R] float32
     support_flip: np.ndarray  # [R] bool
+    entropy: np.ndarray | None = None  # [R] float32 nats of the distribution scored under
 
 
 def load_model(path: Path, dtype: str, device_map: str | None = None, **placement: Any) -> Any:
@@ -132,7 +134,7 @@ def rescore(
             results[i] = s
         if on_batch is not None:
             on_batch(sum(len(requests[i].response_ids) for i in batch))
-    empty = Scored(np.zeros(0, np.float32), np.zeros(0, bool))
+    empty = Scored(np.zeros(0, np.float32), np.zeros(0, bool), np.zeros(0, np.float32))
     return [r if r is not None else empty for r in results]
 
 
@@ -156,13 +158,16 @@ def _score_batch(
         for i in range(0, len(rows), chunk):
             logits = head(hidden[rows[i : i + chunk], cols[i : i + chunk]])
             wanted = targets[i : i + chunk].to(logits.device)  # a split model's head may sit apart
-            chunks.append(token_logprobs(logits, wanted, spec, flip_eps))
+            chunks.append(token_scores(logits, wanted, spec, flip_eps))
+            del logits  # before the next chunk's: one [chunk, V] at a time
         logprobs = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0)
         flips = torch.cat([c[1] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.bool)
+        entropy = torch.cat([c[2] for c in chunks]) if chunks else torch.zeros(0)
     sizes = [len(r.response_ids) for r in batch]
+    parts = zip(*(t.cpu().split(sizes) for t in (logprobs, flips, entropy)), strict=True)
     return [
-        Scored(lp.numpy().astype("float32"), fl.numpy())
-        for lp, fl in zip(logprobs.cpu().split(sizes), flips.cpu().split(sizes), strict=True)
+        Scored(lp.numpy().astype("float32"), fl.numpy(), h.numpy().astype("float32"))
+        for lp, fl, h in parts
     ]
 
 

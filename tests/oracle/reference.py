@@ -19,6 +19,7 @@ from mismatch_probe.metrics.accum import capped, exp_capped
 from mismatch_probe.metrics.batch import EPS, SAFETY_BOUND
 from mismatch_probe.metrics.config import ISSpec, MetricsConfig, PresetSpec, RSSpec
 from mismatch_probe.metrics.stream import MetricsResult
+from tests.oracle.decisions import decision_curves, decision_metrics, outliers, threshold_sweep
 from tests.oracle.dense import Dense, clamp_b, make_dense, mmean, msum, std1
 from tests.oracle.diagnostics import diagnostic_curves, diagnostic_metrics
 from tests.oracle.parity import parity_metrics
@@ -238,6 +239,8 @@ def reference_metrics(d: Dense, config: MetricsConfig) -> MetricsResult:
     out.update(offpolicy_metrics(d))
     out.update(parity_metrics(d))
     out.update(diagnostic_metrics(d))
+    out.update(decision_metrics(d))
     for preset in config.preset_specs:
         out.update(preset_metrics(d, preset))
-    return MetricsResult(config, out, diagnostic_curves(d))
+    tables = {"threshold_sweep": threshold_sweep(d), "outliers": outliers(d)}
+    return MetricsResult(config, out, {**diagnostic_curves(d), **decision_curves(d)}, tables)
