@@ -124,6 +124,8 @@ SettingsOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--setting",
+        metavar="SETTING",
+        rich_help_panel=SELECTION,
         help="Only this setting of a precision-matrix run (default: every setting); "
         "repeatable, e.g. --setting 'rollout=bf16 | train=fp32'.",
     ),
