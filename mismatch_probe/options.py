@@ -263,6 +263,8 @@ PromptIdOpt = Annotated[
     list[int] | None,
     typer.Option(
         "--prompt-id",
+        metavar="ID",
+        rich_help_panel=MODEL,
         help="Scan only the prompt with this id (its 0-based index among the non-empty lines "
         "of the prompts file: the store's prompt_id), repeatable; each keeps its own sampling "
         "seeds, so a prompt's responses come out as in the full scan. Not with --num-prompts.",

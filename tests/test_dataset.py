@@ -45,7 +45,8 @@ def token_rows(seed: int = 3) -> pa.Table:
             "token_id": rng.integers(0, 300, n).astype(np.int32),
             "token_text": [f"t{i % 7}" for i in range(n)],
             "rollout_logprob": rollout.astype(np.float32),
-            "train_logprob": (rollout + rng.normal(0, 0.2, n)).astype(np.float32),
+            # a log-prob stays below 0 (the positive_logprob integrity check would fail the gate)
+            "train_logprob": np.minimum(rollout + rng.normal(0, 0.2, n), -1e-6).astype(np.float32),
             "support_flip": rng.random(n) < 0.05,
         }
     )

@@ -40,7 +40,7 @@ def log_ratios(kind: str, seed: int = 0) -> np.ndarray:
 
 def tokens(r: np.ndarray, setting: str = SETTING, first_seq: int = 0) -> pa.Table:
     s, t = r.shape
-    rollout = np.full((s, t), -1.0)
+    rollout = np.full((s, t), -6.0)  # low enough that train = rollout + r stays below 0
     return pa.table(
         {
             "setting": [setting] * (s * t),

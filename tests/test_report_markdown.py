@@ -128,7 +128,8 @@ def test_sections_and_collapsible_metrics(rendered) -> None:
         "## Outliers",
         "## Mismatch by entropy",
     ]
-    assert text.splitlines()[2].startswith("**Recommendation:** ")  # one sentence at the top
+    assert text.splitlines()[2].startswith("✅ Data integrity: clean")  # first (spec section 8)
+    assert text.splitlines()[4].startswith("**Recommendation:** ")  # one sentence at the top
     assert "| precisions | rollout=bf16 \\| train=fp32 |" in text
     assert "<details>\n<summary>Every metric (" in text and text.rstrip().endswith("</details>")
 

@@ -18,7 +18,7 @@ from mismatch_probe.metrics.config import parse_preset
 from mismatch_probe.metrics.decisions import FAMILIES
 from mismatch_probe.metrics.presets import PRESETS
 from mismatch_probe.report.context import OutlierToken, RunContext
-from mismatch_probe.report.markdown import escape, table
+from mismatch_probe.report.md import escape, table
 from mismatch_probe.report.recommend import RULE, pct
 from mismatch_probe.report.sections import show_blank, visible
 

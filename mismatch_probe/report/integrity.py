@@ -85,7 +85,7 @@ def integrity_markdown(integrity: Integrity | None, accepted: Iterable[str] = ()
     """One line for a clean run (``✅ Data integrity: clean ...``); else ``## Data integrity``
     with the summary and one bullet per finding (an accepted error says so). Then the masks
     applied, if any."""
-    from mismatch_probe.report.escape import escape
+    from mismatch_probe.report.md import escape
 
     if integrity is None:
         return []
@@ -149,7 +149,7 @@ def _per_run(labeled: list[tuple[str, Integrity | None]]) -> list[tuple[str, tup
 def runs_markdown(labeled: list[tuple[str, Integrity | None]]) -> list[str]:
     """Every run's findings (``probe compare``): one line when all are clean, else
     ``## Data integrity`` with a bullet per run and one per finding under it."""
-    from mismatch_probe.report.escape import escape
+    from mismatch_probe.report.md import escape
 
     runs = _per_run(labeled)
     if not runs:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from mismatch_probe.report.causes import LEGEND
 from mismatch_probe.report.context import RunContext, WorstToken
-from mismatch_probe.report.escape import escape
 from mismatch_probe.report.integrity import integrity_markdown
+from mismatch_probe.report.md import escape, table
 from mismatch_probe.report.sections import (
     KEY_METRICS,
     fmt,
@@ -28,13 +28,6 @@ from mismatch_probe.report.verdicts import SOURCES, Verdict, evaluate
 
 MD_DIGITS = 6  # significant digits of every number in report.md
 VERDICT_MARK = {"PASS": "✅ PASS", "FAIL": "❌ FAIL", "n/a": "➖ n/a"}
-
-
-def table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
-    """A GitHub table; ``align`` gives one letter per column (``l`` or ``r``, default ``l``)."""
-    marks = [("---:" if a == "r" else "---") for a in align.ljust(len(header), "l")]
-    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |"]
-    return out + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def num(key: str, value: float) -> str:

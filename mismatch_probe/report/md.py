@@ -1,5 +1,6 @@
-"""Model or user text made inert for Markdown (a table cell, a PR comment): no link, image,
-mention, heading or verdict mark can form from it, and bare URLs never become live links."""
+"""Markdown primitives every Markdown renderer shares: ``escape`` makes model or user text inert
+(no link, image, mention, heading or verdict mark can form from it, and bare URLs never become
+live links), ``table`` writes a GitHub table."""
 
 from __future__ import annotations
 
@@ -26,3 +27,10 @@ def escape(text: str) -> str:
     for mark in ("✅", "❌", "➖"):  # model text never reads as a verdict (html.VERDICT_HTML)
         text = text.replace(mark, mark + _ZWSP)
     return visible(text)
+
+
+def table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """A GitHub table; ``align`` gives one letter per column (``l`` or ``r``, default ``l``)."""
+    marks = [("---:" if a == "r" else "---") for a in align.ljust(len(header), "l")]
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |"]
+    return out + ["| " + " | ".join(row) + " |" for row in rows]
