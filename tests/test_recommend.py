@@ -158,7 +158,9 @@ def test_everywhere_it_shows(runs: dict[str, Path], monkeypatch, capsys) -> None
     stored = json.loads(paths["metrics"].read_text())["recommendation"]
     assert stored["outcome"] == "preset" and stored["preset"] == "k3_rs"
     sentence = f"**Recommendation:** {escape(stored['reason'])}"
-    assert paths["report"].read_text().splitlines()[2] == sentence
+    lines = paths["report"].read_text().splitlines()
+    assert lines[2].startswith("✅ Data integrity: clean")  # integrity first (spec section 8)
+    assert lines[4] == sentence
     assert sentence in run_comment(ctx)
     monkeypatch.setattr(sys, "argv", ["probe", "metrics", str(run), "--json"])
     main()
