@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -30,6 +31,12 @@ from mismatch_probe.metrics.offpolicy import OffPolicyAccumulator
 from mismatch_probe.metrics.parity import ParityAccumulator
 from mismatch_probe.metrics.preset_metrics import PresetAccumulator
 from mismatch_probe.metrics.rejection import RSAccumulator
+from mismatch_probe.metrics.turns import (
+    TURN_COLUMN,
+    TurnAccumulator,
+    prompt_lengths,
+    rerender_scalars,
+)
 from mismatch_probe.metrics.weights import ISAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
@@ -40,7 +47,7 @@ from mismatch_probe.store import (
     step_row_groups,
 )
 
-OPTIONAL_COLUMNS = ("support_flip", "token_id")
+OPTIONAL_COLUMNS = ("support_flip", "token_id", TURN_COLUMN)
 
 
 class Accumulator(Protocol):
@@ -56,14 +63,17 @@ class MetricsResult:
     config: MetricsConfig
     scalars: dict[str, float]
     curves: dict[str, Any]
+    per_turn: tuple[dict[str, Any], ...] = ()  # one row per turn index (``metrics.turns``)
 
     def flat(self) -> dict[str, float]:
         """``{name: value}``, every value a finite float."""
         return dict(self.scalars)
 
     def to_json_dict(self) -> dict[str, Any]:
-        """``flat()`` plus ``config`` (the settings used) and ``curves`` (see ``curves.py``)."""
-        return {**self.scalars, "config": self.config.describe(), "curves": self.curves}
+        """``flat()`` plus ``config`` (the settings used), ``curves`` (see ``curves.py``) and
+        ``per_turn`` (see ``turns.py``)."""
+        data = {**self.scalars, "config": self.config.describe(), "curves": self.curves}
+        return {**data, "per_turn": list(self.per_turn)} if self.per_turn else data
 
 
 class MetricEngine:
@@ -82,23 +92,32 @@ class MetricEngine:
         parts += [OffPolicyAccumulator(), ParityAccumulator(), self.diagnostics, self.curves]
         parts += [PresetAccumulator(p) for p in config.preset_specs]
         self.parts = parts
+        self.turns = TurnAccumulator()
 
-    def update(self, b: TokenBatch) -> None:
+    def update(self, b: TokenBatch, turn: np.ndarray | None = None) -> None:
+        """Add a batch; ``turn``: ``[N]`` turn of each row (None: every row turn 0)."""
         self.counts.update(b)
         for part in self.parts:
             part.update(b)
+        self.turns.update(b, turn if turn is not None else np.zeros(len(b.m), np.int64))
 
-    def result(self, source: str) -> MetricsResult:
+    def result(
+        self, source: str, prompt_lengths: dict[int, int] | None = None, extra: Any = None
+    ) -> MetricsResult:
+        """The metrics; ``prompt_lengths`` (``seq_id -> tokens``) for the per-turn context,
+        ``extra`` flat scalars measured elsewhere (the re-render drift)."""
         if self.counts.tokens == 0:
             raise ProbeError(f"{source}: no valid response token")
         scalars = self.counts.scalars()
         for part in self.parts:
             scalars.update({k: float(v) for k, v in part.scalars(self.counts).items()})
+        scalars.update(extra or {})
         bad = [k for k, v in scalars.items() if not math.isfinite(v)]
         if bad:  # a bug, not bad input: every formula is meant to stay finite
             raise AssertionError(f"non-finite metrics: {', '.join(bad)}")
         curves = {**self.diagnostics.curves(self.counts), **self.curves.curves(self.counts)}
-        return MetricsResult(self.config, scalars, curves)
+        per_turn = tuple(self.turns.rows(prompt_lengths))
+        return MetricsResult(self.config, scalars, curves, per_turn)
 
 
 def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.Table:
@@ -159,6 +178,18 @@ def compute_metrics(
             table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
         table = _select_setting(table, setting, seen)
         if table.num_rows:
-            engine.update(batch_from_table(table))
+            turn = _turn_array(table)
+            engine.update(batch_from_table(table), turn)
     _check_settings(path, setting, seen)
-    return engine.result(str(path) if step is None else f"{path} step {step}")
+    source = str(path) if step is None else f"{path} step {step}"
+    if step is not None:  # the sequences store of an ingested run has no per-step drift
+        return engine.result(source, prompt_lengths(path, setting))
+    return engine.result(source, prompt_lengths(path, setting), rerender_scalars(path, setting))
+
+
+def _turn_array(table: pa.Table) -> np.ndarray | None:
+    """``[N]`` int64 turn of each row (nulls as 0), or None without a ``turn`` column."""
+    if TURN_COLUMN not in table.column_names:
+        return None
+    col = pc.fill_null(table.column(TURN_COLUMN), 0)
+    return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)

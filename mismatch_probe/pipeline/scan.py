@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from mismatch_probe import interrupt, models, store
-from mismatch_probe.engine import batch_invariant, process, rollout
+from mismatch_probe.engine import batch_invariant, process, rollout, turns
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.models.checkpoint import check_weights
-from mismatch_probe.pipeline import attribution, routes
+from mismatch_probe.pipeline import attribution, routes, trajectory
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
 from mismatch_probe.pipeline.runinfo import run_metadata
@@ -86,8 +86,9 @@ def prepare(cfg: ScanConfig) -> Prepared:
     prompts_path = (cfg.prompts or default_prompts_path()).resolve()
     raw = load_prompts(prompts_path, cfg.num_prompts)
     encoded = encode_prompts(raw, tokenizer, chat, context, cfg.sampling.max_tokens)
+    trajectory.check(encoded, routing)
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
-    longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1
+    longest = max(p.longest_trajectory(cfg.sampling.max_tokens) for p in encoded) + 1
     max_len = min(context, longest)
     return Prepared(model_dir, prompts_path, chat, encoded, max_len, tokenizer, routing, invariant)
 
@@ -200,8 +201,9 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
     try:
         with timer("engine_start"):
             rollout.check_supported(run.setting)
+            extra = {**turns.engine_defaults(prep.prompts), **cfg.vllm_args}
             kwargs = rollout.engine_kwargs(
-                prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
+                prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, extra
             )
             run.engine_args = {**kwargs, **routes.engine_kwargs(prep.routing)}
             env = {
@@ -237,7 +239,7 @@ def _generate(
         start = time.perf_counter()
         bar = vllm_progress(progress, f"gen {setting.name}", total)
         with interrupt.stage("generation"):
-            run.rollouts = rollout.generate(
+            run.rollouts = turns.generate(
                 llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
             )
         run.generation_seconds = time.perf_counter() - start
@@ -309,7 +311,7 @@ def _rescore_all(
 def _rescore_one(
     cfg: ScanConfig, prep: Prepared, model: Any, run: RolloutRun, setting: Setting, progress: Any
 ) -> Rescored:
-    requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in run.rollouts]
+    requests = [trajectory.score_request(r) for r in run.rollouts]
     total = sum(len(r.response_ids) for r in run.rollouts)
     task = progress.add_task(f"score {setting.name}", total=total, unit="tokens")
     routing = routes.train_routing(model, requests, prep.routing, setting.replay, run.routes)
@@ -355,7 +357,7 @@ def write_tables(
 ) -> None:
     """The two tables of ``store_tables`` into their files (or a shard's parts), atomically."""
     store.write_table(tokens_path, tokens, store.token_schema(tokens.column_names), run)
-    store.write_table(sequences_path, sequences, store.SEQUENCE_SCHEMA, run)
+    store.write_table(sequences_path, sequences, store.sequence_schema(sequences.column_names), run)
 
 
 def setting_metrics(tokens: Path, settings: Iterable[Setting]) -> dict[Setting, MetricsResult]:

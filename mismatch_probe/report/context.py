@@ -29,6 +29,7 @@ CAUSES = {True: "support flip", False: "numeric drift", None: "unknown"}
 # What a stored metrics.json must hold to be reused (else the metrics are recomputed).
 CURVES = ("f_tau", "log_ratio_hist", "position_bins", "prob_hist2d", "rollout_prob_bins",
           "seq_log_ratio_vs_length", "worst_tokens")  # fmt: skip
+NOT_FLAT = ("config", "curves", "per_turn")  # metrics.json keys that are not flat metrics
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class RunContext:
     curves: dict[str, Any]
     worst: tuple[WorstToken, ...]
     setting: str | None = None
+    per_turn: tuple[dict[str, Any], ...] = ()  # metrics.json ``per_turn`` (metrics.turns)
 
     @property
     def tokens_path(self) -> Path:
@@ -85,8 +87,9 @@ class RunContext:
         return setting if isinstance(setting, str) and setting else self.run_dir.name
 
     def json_dict(self) -> dict[str, Any]:
-        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves``."""
-        return {**self.metrics, "config": self.config, "curves": self.curves}
+        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves`` (+ ``per_turn``)."""
+        data = {**self.metrics, "config": self.config, "curves": self.curves}
+        return {**data, "per_turn": list(self.per_turn)} if self.per_turn else data
 
 
 def load_run(
@@ -117,7 +120,7 @@ def load_run(
     store.open_parquet(tokens)
     if data is None or (metrics_config is not None and data["config"] != metrics_config.describe()):
         data = _metrics_data(run_dir, metrics_config, setting)
-    flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
+    flat = {k: float(v) for k, v in data.items() if k not in NOT_FLAT}
     curves = data["curves"]
     return RunContext(
         run_dir=run_dir,
@@ -127,6 +130,7 @@ def load_run(
         curves=curves,
         worst=tuple(worst_tokens(tokens, curves.get("worst_tokens", []))),
         setting=setting,
+        per_turn=tuple(data.get("per_turn") or ()),
     )
 
 
@@ -151,7 +155,8 @@ def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
         return None
     ok = isinstance(data, dict) and isinstance(data.get("curves"), dict) and "config" in data
     ok = ok and all(name in data["curves"] for name in CURVES) and "k3_kl" in data
-    flat = [v for k, v in data.items() if k not in ("config", "curves")] if ok else []
+    flat = [v for k, v in data.items() if k not in NOT_FLAT] if ok else []
+    ok = ok and isinstance(data.get("per_turn", []), list)
     numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat)
     return data if ok and numbers else None
 

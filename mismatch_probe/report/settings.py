@@ -18,6 +18,7 @@ from rich.text import Text
 from mismatch_probe import store
 from mismatch_probe.report.compare import Entry, compare_rows, comparison_table, overlay_plots
 from mismatch_probe.report.compare import row_cells as compare_row_cells
+from mismatch_probe.report.context import NOT_FLAT
 from mismatch_probe.report.markdown import escape, table
 from mismatch_probe.report.sections import visible
 
@@ -54,7 +55,7 @@ def setting_entries(
         if data is None or data["config"] != cfg.describe():
             tokens = store.resolve_tokens_path(run_dir)
             data = compute_metrics(tokens, cfg, setting=name).to_json_dict()
-        flat = {k: float(v) for k, v in data.items() if k not in ("config", "curves")}
+        flat = {k: float(v) for k, v in data.items() if k not in NOT_FLAT}
         if name in speed:
             flat["rollout_tokens_per_s"] = speed[name]
         entries.append(Entry(name, flat, data["curves"]))

@@ -83,9 +83,34 @@ RUNG_FIELDS = (
 )
 
 
+# Multi-turn trajectories (the multi-turn spec). ``turn``: 0-based index of the generated turn
+# of each token (a scan writes it always, 0 for a single-turn response); a store without it
+# reads as one turn. In a multi-turn trajectory ``position`` is the token's index in everything
+# after the first prompt (given context included), so positions have gaps between turns, as an
+# ingested response's masked-out tokens do.
+TURN_FIELD = pa.field("turn", pa.int32())
+# Sequences: ``num_turns`` and each turn's finish reason (comma-separated, in turn order);
+# re-render drift of a multi-turn trajectory (null elsewhere): whether the chat template,
+# applied to the final conversation, gives other ids than the trajectory's anywhere, how many
+# generated tokens differ or lack an aligned counterpart, and the first difference in context.
+SEQUENCE_TURN_FIELDS = (
+    pa.field("num_turns", pa.int32()),
+    pa.field("turn_finish_reasons", pa.string()),
+    pa.field("rerender_differs", pa.bool_()),
+    pa.field("rerender_mismatched_tokens", pa.int32()),
+    pa.field("rerender_context", pa.string()),
+)
+
+
 def token_schema(names: Sequence[str]) -> pa.Schema:
-    """``TOKEN_SCHEMA`` plus the rung fields among ``names``."""
-    return pa.schema([*TOKEN_SCHEMA, *(f for f in RUNG_FIELDS if f.name in names)])
+    """``TOKEN_SCHEMA`` plus the rung fields and ``turn`` among ``names``."""
+    extra = [f for f in (*RUNG_FIELDS, TURN_FIELD) if f.name in names]
+    return pa.schema([*TOKEN_SCHEMA, *extra])
+
+
+def sequence_schema(names: Sequence[str]) -> pa.Schema:
+    """``SEQUENCE_SCHEMA`` plus the multi-turn fields among ``names``."""
+    return pa.schema([*SEQUENCE_SCHEMA, *(f for f in SEQUENCE_TURN_FIELDS if f.name in names)])
 
 
 # The columns a metrics reader needs; any Parquet file with these can be analysed.
@@ -128,7 +153,7 @@ def _is_text(t: pa.DataType) -> bool:
 # strings, lists or fractional ids would otherwise fail deep inside a reader): (test, in words).
 COLUMN_KINDS: dict[str, tuple[Any, str]] = {
     **{name: (_is_integer, "integers") for name in
-       ("seq_id", "prompt_id", "sample_id", "position", "token_id")},
+       ("seq_id", "prompt_id", "sample_id", "position", "token_id", "turn")},
     **{name: (_is_number, "numbers") for name in ("rollout_logprob", "train_logprob")},
     "support_flip": (pa.types.is_boolean, "booleans"),
     **{name: (_is_text, "text") for name in ("setting", "token_text")},
