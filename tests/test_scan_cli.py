@@ -300,8 +300,12 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
 
     tokens = pq.read_table(out / store.TOKENS_FILE)
     sequences = pq.read_table(out / store.SEQUENCES_FILE)
-    assert tokens.schema.remove_metadata() == store.TOKEN_SCHEMA
-    assert sequences.schema.remove_metadata() == store.SEQUENCE_SCHEMA
+    assert tokens.schema.remove_metadata() == store.token_schema(["turn"])
+    assert sequences.schema.remove_metadata() == store.sequence_schema(
+        [f.name for f in store.SEQUENCE_TURN_FIELDS]
+    )
+    assert set(tokens.column("turn").to_pylist()) == {0}  # single-turn prompts
+    assert set(sequences.column("num_turns").to_pylist()) == {1}
     assert sequences.num_rows == 6
     lengths = sequences.column("response_length").to_pylist()
     assert tokens.num_rows == sum(lengths)

@@ -176,3 +176,13 @@ def rerender_scalars(tokens: Path, setting: str | None) -> dict[str, float]:
         "rerender_trajectory_fraction": float(differs.mean()),
         "rerender_token_fraction": float(bad.sum() / total.sum()) if total.sum() else 0.0,
     }
+
+
+def rerender_example(tokens: Path, setting: str | None) -> str | None:
+    """The first re-render difference of the first trajectory that has one, in context
+    (``rerender_context`` of the sequences store), or None."""
+    table = _sequence_table(sequences_path(tokens), ["rerender_context"], setting)
+    if table is None:
+        return None
+    found = table.column("rerender_context").drop_null()
+    return str(found[0]) if len(found) else None

@@ -80,7 +80,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     Returns:
         ``{"metrics": ..., "report": ..., "html": ..., "plot_<name>": ...}`` paths.
     """
-    from mismatch_probe.report import attribution
+    from mismatch_probe.report import attribution, turns
     from mismatch_probe.report.html import write_html
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
@@ -93,6 +93,9 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     store.write_json(paths["metrics"], ctx.json_dict())
     plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
     extra_plots = write_routing_plots(run_dir)
+    turns_plot = turns.write_plot(ctx, run_dir / store.PLOTS_DIR)
+    if turns_plot is not None:
+        extra_plots["plot_turns"] = turns_plot
     attribution_plots, attribution_md = attribution.outputs(run_dir)
     extra_plots.update(attribution_plots)
     trend, trend_plot = write_trend(ctx)
@@ -100,6 +103,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
         extra_plots["plot_trend"] = trend_plot
     sections = [
         render_markdown(ctx, plots),
+        turns.markdown(ctx, turns_plot),
         settings_markdown(entries, run_dir) if entries else "",
         routing_markdown(run_dir),
         attribution_md,
@@ -115,12 +119,14 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """The terminal report, then the settings side by side for a matrix run."""
-    from mismatch_probe.report import attribution
+    from mismatch_probe.report import attribution, turns
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.report.trend import load_trend, render_table
 
     render_run(ctx, console)
+    if turns.is_multi_turn(ctx):
+        console.print(turns.terminal_table(ctx))
     if entries:
         render_settings(entries, console)
     trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
