@@ -167,10 +167,11 @@ def encode_prompts(
         if not e.token_ids:
             raise ProbeError(f"prompt {p.prompt_id} encodes to no tokens")
         if e.longest_trajectory(max_tokens) > max_context:
-            turns = f" over {e.turns.turns} turns" if e.turns else ""
+            n = e.turns.turns if e.turns else 1
+            turns = f" per turn over {n} turns it can exceed" if n > 1 else " it exceeds"
             raise ProbeError(
                 f"prompt {p.prompt_id} has {len(e.token_ids)} tokens; with --max-tokens "
-                f"{max_tokens}{turns} it can exceed the model's context of {max_context} tokens"
+                f"{max_tokens}{turns} the model's context of {max_context} tokens"
             )
         encoded.append(e)
     return encoded
