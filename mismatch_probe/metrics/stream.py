@@ -116,7 +116,10 @@ class MetricEngine:
         if bad:  # a bug, not bad input: every formula is meant to stay finite
             raise AssertionError(f"non-finite metrics: {', '.join(bad)}")
         curves = {**self.diagnostics.curves(self.counts), **self.curves.curves(self.counts)}
-        per_turn = tuple(self.turns.rows(prompt_lengths))
+        # ``per_turn`` only where there is more than one turn: a single-turn run's one row
+        # would repeat the run's own numbers
+        rows = self.turns.rows(prompt_lengths)
+        per_turn = tuple(rows) if len(rows) > 1 else ()
         return MetricsResult(self.config, scalars, curves, per_turn)
 
 

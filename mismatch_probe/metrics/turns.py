@@ -1,6 +1,7 @@
 """Per-turn metrics of multi-turn trajectories, and the re-render drift (the multi-turn spec).
 
-``metrics.json`` ``per_turn`` is a list, one row per turn index ``t`` present in the store:
+``metrics.json`` ``per_turn`` is a list, one row per turn index ``t`` present in the store (only
+for a store holding more than one turn index):
 
 * ``turn``; ``sequences`` (sequences with a valid token in turn ``t``); ``tokens`` (valid
   tokens of turn ``t``);

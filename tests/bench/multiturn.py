@@ -1,0 +1,77 @@
+"""Multi-turn against single-turn on the embedded default model, in one run: a 3-turn scan of
+tool-use conversations against a single-turn scan of the same first questions whose per-turn
+budget is three times as large (the same number of tokens at most, ``3 * MAX_TOKENS``).
+
+Each turn's request repeats the trajectory so far; the engine's prefix cache must keep that from
+costing a prefill of the whole context each turn, and the training side scores each trajectory
+once. Generated lengths differ (a turn may stop early), so the comparison is per generated
+token: ``ratio = (multi-turn seconds / token) / (single-turn seconds / token)`` over generation
+and rescoring (the goal: within 1.5).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from mismatch_probe.pipeline.config import ScanConfig
+from mismatch_probe.pipeline.scan import run_scan
+from mismatch_probe.sampling import SamplingSpec
+
+PROMPTS = 8
+MAX_TOKENS = 32
+TURNS = 3
+SYSTEM = "You are a helpful assistant with a calculator tool. Call it with one line of JSON."
+
+
+def _conversations() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(3-turn lines, single-turn lines) of the same questions."""
+    multi, single = [], []
+    for i in range(PROMPTS):
+        question = {"role": "user", "content": f"What is {17 + i} times {23 + 2 * i}?"}
+        head = [{"role": "system", "content": SYSTEM}, question]
+        turns = [
+            {"role": "assistant", "content": None},
+            {"role": "tool", "content": json.dumps({"result": (17 + i) * (23 + 2 * i)})},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "Now explain how you checked it."},
+            {"role": "assistant", "content": None},
+        ]
+        multi.append({"messages": head + turns})
+        single.append({"messages": head})
+    return multi, single
+
+
+def _scan(lines: list[dict[str, Any]], max_tokens: int, tmp: Path, name: str) -> dict[str, Any]:
+    path = tmp / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = ScanConfig(prompts=path, sampling=SamplingSpec(max_tokens=max_tokens), out=tmp / name)
+    result = run_scan(cfg, Console(stderr=True))
+    timings = result.run["timings"]
+    tokens = result.metrics["num_tokens"]
+    work = timings["generation"] + timings["rescoring"]
+    record = {
+        "response_tokens": tokens,
+        "generation_seconds": timings["generation"],
+        "rescoring_seconds": timings["rescoring"],
+        "seconds_per_token": work / tokens,
+    }
+    prefix = result.run["rollouts"][0].get("prefix_cache")
+    return {**record, "prefix_cache": prefix} if prefix else record
+
+
+def bench_multiturn() -> dict[str, Any]:
+    multi, single = _conversations()
+    with tempfile.TemporaryDirectory() as tmp:
+        three = _scan(multi, MAX_TOKENS, Path(tmp), "multi")
+        one = _scan(single, TURNS * MAX_TOKENS, Path(tmp), "single")
+    return {
+        "prompts": PROMPTS,
+        "multi_turn": {"turns": TURNS, "max_tokens_per_turn": MAX_TOKENS, **three},
+        "single_turn": {"max_tokens": TURNS * MAX_TOKENS, **one},
+        "ratio_seconds_per_token": three["seconds_per_token"] / one["seconds_per_token"],
+    }
