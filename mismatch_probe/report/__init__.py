@@ -119,14 +119,12 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """The terminal report, then the settings side by side for a matrix run."""
-    from mismatch_probe.report import attribution, turns
+    from mismatch_probe.report import attribution
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.report.trend import load_trend, render_table
 
     render_run(ctx, console)
-    if turns.is_multi_turn(ctx):
-        console.print(turns.terminal_table(ctx))
     if entries:
         render_settings(entries, console)
     trend = load_trend(ctx.run_dir, ctx.run, ctx.config)

@@ -16,6 +16,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from mismatch_probe.report import turns
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.sections import (
     fmt,
@@ -172,6 +173,9 @@ def report_renderables(ctx: RunContext) -> list[RenderableType]:
     parts += [Text(), histogram(ctx.curves["log_ratio_hist"]), Text()]
     if ctx.worst:
         parts.append(worst_table(ctx.worst))
+    if turns.is_multi_turn(ctx):
+        parts += [Text(), turns.terminal_table(ctx)]
+        parts += [Text(visible(line)) for line in turns.drift_text(ctx)]
     return parts
 
 

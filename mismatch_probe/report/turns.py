@@ -72,6 +72,20 @@ def drift_lines(ctx: RunContext) -> list[str]:
     return lines
 
 
+def drift_text(ctx: RunContext) -> list[str]:
+    """The drift in plain words (terminal)."""
+    m = ctx.metrics
+    if "rerender_trajectory_fraction" not in m:
+        return []
+    lines = [
+        f"re-render drift: {m['rerender_trajectory_fraction']:.1%} of trajectories, "
+        f"{m['rerender_token_fraction']:.2%} of generated tokens differ when the chat template "
+        "re-renders the final conversation"
+    ]
+    example = rerender_example(ctx.tokens_path, ctx.setting)
+    return lines + ([f"  first difference: {clip(example)}"] if example else [])
+
+
 def clip(text: str) -> str:
     return text if len(text) <= EXAMPLE_CLIP else text[: EXAMPLE_CLIP - 1] + "…"
 
