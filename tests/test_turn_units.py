@@ -204,3 +204,60 @@ def test_rerender_fractions_hand_computed(tmp_path: Path) -> None:
     got = rerender_scalars(tokens, "a")
     assert got == {"rerender_trajectory_fraction": 0.5, "rerender_token_fraction": 2 / 15}
     assert rerender_scalars(tokens, "b")["rerender_token_fraction"] == 1.0
+
+
+def _turn_context(tmp_path: Path) -> Any:
+    from mismatch_probe.report.context import RunContext
+
+    row = {"sequences": 2, "tokens": 10, "kl": 0.001, "abs_log_ratio_mean": 0.02}
+    rows = (
+        {**row, "turn": 0, "context_tokens_mean": 12.0, "k3_kl": 0.0005,
+         "first_token_abs_log_ratio_mean": 0.03, "token_mult_prob_error": 1.0201},
+        {**row, "turn": 1, "context_tokens_mean": None, "k3_kl": 0.002,
+         "first_token_abs_log_ratio_mean": 0.05, "token_mult_prob_error": 1.0412},
+    )  # fmt: skip
+    metrics = {"rerender_trajectory_fraction": 0.5, "rerender_token_fraction": 0.0125}
+    return RunContext(tmp_path, {"setting": "rollout=bf16"}, metrics, {}, {}, (), None, rows)
+
+
+def test_per_turn_markdown_exact(tmp_path: Path) -> None:
+    from mismatch_probe.report import turns as report_turns
+
+    text = report_turns.markdown(_turn_context(tmp_path), tmp_path / "turns.png")
+    assert text.splitlines() == [
+        "## Per turn",
+        "",
+        "rollout=bf16: each turn's tokens alone (turn 0 is the first generated turn; its first "
+        "token follows a prefill of the whole context so far; context: trajectory tokens at the "
+        "turn's start; mult. error: `token_mult_prob_error`).",
+        "",
+        "| turn | sequences | tokens | context | k3 | kl | mean \\|r\\| | first-token \\|r\\| "
+        "| mult. error |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| 0 | 2 | 10 | 12.0 | 0.0005 | 0.001 | 0.02 | 0.03 | 1.0201 |",
+        "| 1 | 2 | 10 | n/a | 0.002 | 0.001 | 0.02 | 0.05 | 1.0412 |",
+        "",
+        f"{report_turns.DRIFT_NOTE} Trajectories whose ids differ: **50.0%** "
+        "(`rerender_trajectory_fraction`); generated tokens that differ or have no counterpart: "
+        "**1.25%** (`rerender_token_fraction`).",
+        "",
+        "![k3 and first-token |r| per turn](plots/turns.png)",
+    ]
+
+
+def test_per_turn_terminal_exact(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from mismatch_probe.report import turns as report_turns
+
+    console = Console(file=io.StringIO(), width=100, force_terminal=False)
+    console.print(report_turns.terminal_table(_turn_context(tmp_path)))
+    lines = [line.rstrip() for line in console.file.getvalue().splitlines()]
+    assert lines == [
+        "Per turn",
+        " turn  sequences  tokens  context      k3     kl  mean |r|  first-token |r|  mult. error",
+        "    0          2      10     12.0  0.0005  0.001      0.02             0.03       1.0201",
+        "    1          2      10      n/a   0.002  0.001      0.02             0.05       1.0412",
+    ]

@@ -23,12 +23,12 @@ COLUMNS = (  # (per_turn key, header, format)
     ("turn", "turn", "{:d}"),
     ("sequences", "sequences", "{:d}"),
     ("tokens", "tokens", "{:d}"),
-    ("context_tokens_mean", "context (tokens)", "{:.1f}"),
+    ("context_tokens_mean", "context", "{:.1f}"),
     ("k3_kl", "k3", "{:.3g}"),
     ("kl", "kl", "{:.3g}"),
     ("abs_log_ratio_mean", "mean |r|", "{:.3g}"),
     ("first_token_abs_log_ratio_mean", "first-token |r|", "{:.3g}"),
-    ("token_mult_prob_error", "mult. prob. error", "{:.6g}"),
+    ("token_mult_prob_error", "mult. error", "{:.6g}"),
 )
 DRIFT_NOTE = (
     "Re-render drift: the final conversation (generated turns as decoded text) rendered with "
@@ -94,10 +94,11 @@ def section_lines(ctx: RunContext, heading: str = "##") -> list[str]:
     """The per-turn table and the drift, under ``heading`` (no lines for a one-turn run)."""
     if not is_multi_turn(ctx):
         return []
-    header = [h for _, h, _ in COLUMNS]
+    header = [escape(h) for _, h, _ in COLUMNS]  # "mean |r|": a bare pipe splits a cell
     intro = (
         f"{escape(ctx.label)}: each turn's tokens alone (turn 0 is the first generated turn; "
-        "its first token follows a prefill of the whole context so far)."
+        "its first token follows a prefill of the whole context so far; context: trajectory "
+        "tokens at the turn's start; mult. error: `token_mult_prob_error`)."
     )
     return [
         f"{heading} Per turn",
