@@ -261,3 +261,23 @@ def test_per_turn_terminal_exact(tmp_path: Path) -> None:
         "    0          2      10     12.0  0.0005  0.001      0.02             0.03       1.0201",
         "    1          2      10      n/a   0.002  0.001      0.02             0.05       1.0412",
     ]
+
+
+def test_open_turns_parse_and_bad_messages_are_refused(tmp_path: Path) -> None:
+    import json
+
+    from mismatch_probe.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"messages": list(MESSAGES)}) + "\n")
+    assert load_prompts(path)[0].open_turns == 3
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n")
+    with pytest.raises(ProbeError, match=r"p.jsonl:1: .*without content is a turn the engine"):
+        load_prompts(path)
+
+
+def test_multi_turn_on_a_moe_model_is_refused(tokenizer: Any) -> None:
+    prompts = [encoded(tokenizer)]
+    trajectory.check(prompts, None)  # a dense model: fine
+    with pytest.raises(ProbeError, match="multi-turn prompts on a mixture-of-experts model"):
+        trajectory.check(prompts, object())
