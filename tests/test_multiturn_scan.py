@@ -160,3 +160,35 @@ def test_sharded_scan_matches_turns(tiny_model: Path, prompts: Path, tmp_path: P
     assert [r["turn"] for r in data["per_turn"]] == [0, 1, 2]
     assert all(r["k3_kl"] < 1e-6 for r in data["per_turn"])
     assert all(r["context_tokens_mean"] is not None for r in data["per_turn"])
+
+
+def test_moe_routing_replay_on_trajectories(
+    prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Routes are captured over the whole trajectory (prefill replay) and the store's positions
+    pick the generated tokens' rows: R3 removes mismatch on multi-turn rollouts too."""
+    from mismatch_probe.models.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe")
+    out = tmp_path_factory.mktemp("moe_run")
+    cfg = scan_config(
+        model,
+        prompts,
+        out,
+        samples_per_prompt=1,
+        routing_replay=("none", "rollout"),
+        sampling=SamplingSpec(max_tokens=MAX_TOKENS, logprobs_mode="raw"),  # = processed at T=1
+    )
+    run_scan(cfg, Console(file=io.StringIO()))
+    tokens = pq.read_table(out / store.TOKENS_FILE)
+    routes = pq.read_table(out / "routing.parquet")
+    assert set(tokens.column("turn").to_pylist()) == {0, 1, 2}
+    # one route row per trajectory position after the first prompt, generated or given
+    seqs = pq.read_table(out / store.SEQUENCES_FILE)
+    assert int((routes.column("position").to_numpy() >= 0).sum()) > tokens.num_rows
+    assert seqs.column("num_turns").to_pylist()[:3] == [3, 2, 1]
+    (entry,) = json.loads((out / "routing.json").read_text()).values()
+    modes = entry["replay"]["modes"]
+    assert modes["rollout"]["k3_kl"] < modes["none"]["k3_kl"]
+    data = json.loads((out / store.METRICS_FILE).read_text())
+    assert [r["turn"] for r in data["per_turn"]] == [0, 1, 2]

@@ -276,8 +276,12 @@ def test_open_turns_parse_and_bad_messages_are_refused(tmp_path: Path) -> None:
         load_prompts(path)
 
 
-def test_multi_turn_on_a_moe_model_is_refused(tokenizer: Any) -> None:
+def test_multi_turn_moe_needs_prefill_replay_capture(tokenizer: Any) -> None:
+    from mismatch_probe.engine.routing import NATIVE, PREFILL_REPLAY
+
     prompts = [encoded(tokenizer)]
-    trajectory.check(prompts, None)  # a dense model: fine
-    with pytest.raises(ProbeError, match="multi-turn prompts on a mixture-of-experts model"):
-        trajectory.check(prompts, object())
+    moe = lambda path: SimpleNamespace(setup=SimpleNamespace(capture_path=path))  # noqa: E731
+    trajectory.check(prompts, None)  # a dense model
+    trajectory.check(prompts, moe(PREFILL_REPLAY))  # routes of the whole trajectory replayed
+    with pytest.raises(ProbeError, match="need prefill-replay route capture"):
+        trajectory.check(prompts, moe(NATIVE))

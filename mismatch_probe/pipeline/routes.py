@@ -53,8 +53,12 @@ def engine_env(routing: Routing | None) -> dict[str, str]:
 
 
 def capture(llm: Any, rollouts: Sequence[Any], routing: Routing) -> list[Any]:
-    """The engine's ``[P + R - 1, L, K]`` routes of each rollout."""
-    return capture_engine.capture_routes(llm, rollouts, routing.shape, routing.setup.capture_path)
+    """The engine's ``[P + R - 1, L, K]`` routes of each rollout (a multi-turn trajectory's:
+    ``R`` everything after its first prompt, ``trajectory.token_view``)."""
+    from mismatch_probe.pipeline.trajectory import token_view
+
+    sequences = [token_view(r) for r in rollouts]
+    return capture_engine.capture_routes(llm, sequences, routing.shape, routing.setup.capture_path)
 
 
 def train_routing(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mismatch_probe.engine.rollout import Rollout
 from mismatch_probe.errors import ProbeError
@@ -28,14 +28,32 @@ def check(prompts: Sequence[EncodedPrompt], routing: Any) -> None:
     """Refuse what multi-turn prompts cannot run with (before any engine starts).
 
     Raises:
-        ProbeError: multi-turn prompts on a mixture-of-experts model (route capture and replay
-            align routes with one prompt and one response per sequence).
+        ProbeError: multi-turn prompts on a mixture-of-experts model whose routes come from the
+            engine's decode (``native_decode``: each turn's request returns only its own
+            routes); prefill-replay capture replays the whole trajectory (``token_view``).
     """
-    if routing is not None and any(p.turns is not None for p in prompts):
+    from mismatch_probe.engine.routing import NATIVE
+
+    multi = any(p.turns is not None for p in prompts)
+    if multi and routing is not None and routing.setup.capture_path == NATIVE:
         raise ProbeError(
-            "multi-turn prompts on a mixture-of-experts model are not supported yet (routes are "
-            "captured for one prompt and one response per sequence); use single-turn prompts"
+            "multi-turn prompts on a mixture-of-experts model need prefill-replay route "
+            "capture (the engine's decode returns each turn's routes alone)"
         )
+
+
+class TokenView(NamedTuple):
+    """A sequence's ids as route capture and replay see them (``routing.shape.TokenSequence``)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def token_view(r: Rollout) -> Any:
+    """The rollout itself, or for a multi-turn trajectory ``P0`` and everything after it: routes
+    then cover the whole trajectory, and the store's positions (continuation indices) pick the
+    generated tokens' rows."""
+    return r if r.turns is None else TokenView(list(r.prompt_ids), list(r.turns.continuation))
 
 
 def score_request(r: Rollout) -> ScoreRequest:
