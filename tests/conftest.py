@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothin
 # The slowest modules, slowest first (measured with ``--durations``): scheduled before the rest.
 FIRST = (
     "test_sharded_scan.py",
+    "test_multiturn_default.py",
     "test_lifecycle.py",
     "test_matrix.py",
     "test_faults.py",
@@ -36,6 +37,7 @@ FIRST = (
     "test_routing_scan.py",
     "test_attribution_cli.py",
     "test_identity.py",
+    "test_multiturn_scan.py",
 )
 
 TINY_CONTEXT = 512

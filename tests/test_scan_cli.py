@@ -314,16 +314,18 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     sequences = pq.read_table(out / store.SEQUENCES_FILE)
     typed = [f.name for f in store.SETTING_FIELDS]  # the setting as typed columns
     assert tokens.schema.remove_metadata() == pa.schema(
-        [*store.TOKEN_SCHEMA, store.ENTROPY_FIELD, *store.SETTING_FIELDS]
-    )  # the rescorer's entropy too
+        [*store.TOKEN_SCHEMA, store.ENTROPY_FIELD, store.TURN_FIELD, *store.SETTING_FIELDS]
+    )  # the rescorer's entropy and the turn too
     assert sequences.schema.remove_metadata() == pa.schema(
-        [*store.SEQUENCE_SCHEMA, *store.SETTING_FIELDS]
+        [*store.SEQUENCE_SCHEMA, *store.SEQUENCE_TURN_FIELDS, *store.SETTING_FIELDS]
     )
     assert tokens.select(typed).slice(0, 1).to_pylist() == [
         {"rollout_dtype": "float32", "kv_cache_dtype": "auto", "quantization": "none",
          "lm_head_fp32": False, "train_dtype": "float32", "routing_replay": "none"}
     ]  # fmt: skip
     assert b"nats" in tokens.schema.field("train_logprob").metadata[b"description"]
+    assert set(tokens.column("turn").to_pylist()) == {0}  # single-turn prompts
+    assert set(sequences.column("num_turns").to_pylist()) == {1}
     assert sequences.num_rows == 6
     lengths = sequences.column("response_length").to_pylist()
     assert tokens.num_rows == sum(lengths)

@@ -46,9 +46,28 @@ IN_PROCESS_KWARGS = {"distributed_executor_backend": "uni"}  # the worker in thi
 _WORLD_SIZE_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
 
+@dataclass(frozen=True)
+class Turns:
+    """A multi-turn trajectory after its prompt (``engine.turns``): ``P0`` is the rollout's
+    ``prompt_ids``, ``continuation = G1 + D1 + G2 + ... + Gn`` everything after it.
+
+    Shapes: ``[C]`` continuation ids; ``[R]`` per generated token (the rollout's
+    ``response_ids`` are the generated ids of every turn, in order); ``[n]`` per turn.
+    """
+
+    continuation: tuple[int, ...]  # [C] generated and given ids after P0
+    positions: tuple[int, ...]  # [R] index in ``continuation`` of each generated token
+    turn: tuple[int, ...]  # [R] 0-based turn of each generated token
+    starts: tuple[int, ...]  # [n] index in ``continuation`` where turn k's generation starts
+    finish_reasons: tuple[str, ...]  # [n] each turn's finish reason
+    texts: tuple[str, ...]  # [n] each turn's text as the engine decoded it
+    cached_tokens: tuple[int, ...]  # [n] prompt tokens of each turn's request the prefix cache held
+    messages: tuple[dict[str, Any], ...] = ()  # the prompt's messages (open turns: no content)
+
+
 @dataclass
 class Rollout:
-    """One sampled response."""
+    """One sampled response (a multi-turn trajectory's generated tokens, with ``turns``)."""
 
     seq_id: int
     prompt_id: int
@@ -59,6 +78,15 @@ class Rollout:
     finish_reason: str
     response_text: str
     routed_experts: Any = None  # vLLM's native MoE routes, where the engine returns them
+    turns: Turns | None = None  # a multi-turn trajectory's layout (None: one turn)
+
+    def continuation(self) -> list[int]:
+        """``[C]`` every id after the prompt: the response, or ``G1 + D1 + ... + Gn``."""
+        return list(self.turns.continuation) if self.turns else list(self.response_ids)
+
+    def scored_positions(self) -> list[int]:
+        """``[R]`` index in ``continuation()`` of each response token."""
+        return list(self.turns.positions) if self.turns else list(range(len(self.response_ids)))
 
 
 def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
@@ -293,13 +321,14 @@ def score_forced(llm: Any, rollouts: Sequence[Rollout]) -> list[list[float]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    inputs = [TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.response_ids]) for r in rollouts]
+    inputs = [TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.continuation()]) for r in rollouts]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     outputs = llm.generate(inputs, params, use_tqdm=False)
     scores = []
     for r, out in zip(rollouts, outputs, strict=True):
         steps = out.prompt_logprobs[len(r.prompt_ids) :]
+        at = r.scored_positions()  # a multi-turn trajectory: its generated tokens only
         scores.append(
-            [float(step[tok].logprob) for tok, step in zip(r.response_ids, steps, strict=True)]
+            [float(steps[i][tok].logprob) for tok, i in zip(r.response_ids, at, strict=True)]
         )
     return scores

@@ -69,6 +69,8 @@ class SeqRecord:
         response_ids: the whole response, trained or not (likewise), which ``positions``
             index.
         mask_rules: the format-specific mask rules this record met (see ``MaskRule``).
+        turn: ``[R]`` int64 explicit turn ids where the format has them; None: the writer
+            numbers the runs of consecutive positions (``turns_from_positions``).
     """
 
     step: int
@@ -81,6 +83,16 @@ class SeqRecord:
     prompt_ids: np.ndarray | None = None
     response_ids: np.ndarray | None = None
     mask_rules: tuple[MaskRule, ...] = ()
+    turn: np.ndarray | None = None
+
+
+def turns_from_positions(positions: np.ndarray) -> np.ndarray:
+    """``[R]`` 0-based turn of each trained token: a multi-turn response's trained tokens come in
+    runs of consecutive positions (its mask, verl's ``response_mask``, slime's and SkyRL's
+    ``loss_mask``, is 0 over tool output and other observations), each run one turn."""
+    if len(positions) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([[0], np.cumsum(np.diff(positions) > 1)]).astype(np.int64)
 
 
 @dataclass(frozen=True)

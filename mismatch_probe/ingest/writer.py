@@ -7,7 +7,9 @@ footer statistics locate each step exactly (``store.step_row_groups``). Memory i
 The token store is the scan's schema (``store.TOKEN_SCHEMA``) with a ``step`` column and
 without ``setting`` and ``support_flip`` (an ingested run has one source and no flip flags);
 ``token_text`` only when a tokenizer is given; ``train_entropy`` is null (logs hold
-log-probabilities, not logits). Log-probs the framework left non-finite are
+log-probabilities, not logits); ``turn`` from a format's explicit turn ids, else from the runs
+of consecutive trained positions (``records.turns_from_positions``), and the sequences'
+``num_turns``. Log-probs the framework left non-finite are
 nulls, which the metric engine reads as padding. Token ids and positions outside int32's
 ``0..2**31-1`` are refused (a cast would store another number). Ids: ``seq_id`` counts
 sequences over the run; ``prompt_id`` numbers the framework's group keys in order of appearance
@@ -28,7 +30,7 @@ import pyarrow.parquet as pq
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.ingest.records import SeqRecord
+from mismatch_probe.ingest.records import SeqRecord, turns_from_positions
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 _FIELDS = {f.name: f for f in store.TOKEN_SCHEMA}
@@ -40,7 +42,7 @@ def token_schema(with_text: bool) -> pa.Schema:
     fields = [pa.field("step", pa.int64(), nullable=False)]
     fields += [_FIELDS[n] for n in names]
     fields += [pa.field(n, pa.float32()) for n in ("rollout_logprob", "train_logprob")]
-    return pa.schema([*fields, store.ENTROPY_FIELD])  # train_entropy: null, no logits here
+    return pa.schema([*fields, store.ENTROPY_FIELD, store.TURN_FIELD])  # entropy: null
 
 
 SEQUENCE_SCHEMA = pa.schema(
@@ -52,6 +54,7 @@ SEQUENCE_SCHEMA = pa.schema(
         pa.field("prompt_key", pa.string()),  # the framework's group key
         pa.field("source", pa.string(), nullable=False),  # file and line / row
         pa.field("response_length", pa.int32(), nullable=False),  # trained tokens
+        pa.field("num_turns", pa.int32()),  # runs of trained tokens (or explicit turn ids)
     ]
 )
 
@@ -141,6 +144,7 @@ class RunStoreWriter:
         if not self.buffer:
             return
         recs = [r for r, *_ in self.buffer]
+        turns = [turns_from_positions(r.positions) if r.turn is None else r.turn for r in recs]
         lengths = np.array([len(r.token_ids) for r in recs], dtype=np.int64)
         per_seq = lambda i, dtype: np.repeat(  # noqa: E731
             np.array([b[i] for b in self.buffer], dtype=dtype), lengths
@@ -158,18 +162,22 @@ class RunStoreWriter:
             "rollout_logprob": _nullable(rollout),
             "train_logprob": _nullable(train),
             "train_entropy": pa.nulls(len(token_ids), pa.float32()),
+            "turn": np.concatenate(turns).astype(np.int32),
         }
         if self.tokenizer is not None:
             from mismatch_probe.pipeline.tables import decode_tokens
 
             columns["token_text"] = decode_tokens(self.tokenizer, token_ids)
         self.tokens.write_table(pa.table(columns, schema=self.token_schema))
-        self.seqs.write_table(self._sequence_table(recs, lengths))
+        num_turns = [int(t.max()) + 1 for t in turns]
+        self.seqs.write_table(self._sequence_table(recs, lengths, num_turns))
         self.counts.tokens += len(token_ids)
         self.counts.null_logprobs += int((~np.isfinite(rollout) | ~np.isfinite(train)).sum())
         self.buffer, self.buffered = [], 0
 
-    def _sequence_table(self, recs: list[SeqRecord], lengths: np.ndarray) -> pa.Table:
+    def _sequence_table(
+        self, recs: list[SeqRecord], lengths: np.ndarray, num_turns: list[int]
+    ) -> pa.Table:
         return pa.table(
             {
                 "step": [r.step for r in recs],
@@ -179,6 +187,7 @@ class RunStoreWriter:
                 "prompt_key": [r.prompt_key for r in recs],
                 "source": [r.source for r in recs],
                 "response_length": lengths.astype(np.int32),
+                "num_turns": num_turns,
             },
             schema=self.seqs.schema,
         )

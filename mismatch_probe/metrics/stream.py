@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -35,6 +36,12 @@ from mismatch_probe.metrics.outliers import OutlierAccumulator
 from mismatch_probe.metrics.parity import ParityAccumulator
 from mismatch_probe.metrics.preset_metrics import PresetAccumulator
 from mismatch_probe.metrics.rejection import RSAccumulator
+from mismatch_probe.metrics.turns import (
+    TURN_COLUMN,
+    TurnAccumulator,
+    prompt_lengths,
+    rerender_scalars,
+)
 from mismatch_probe.metrics.weights import ISAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
@@ -45,9 +52,16 @@ from mismatch_probe.store import (
     step_row_groups,
 )
 
-OPTIONAL_COLUMNS = ("support_flip", "token_id", "prompt_id", "sample_id", "train_entropy")
+OPTIONAL_COLUMNS = (
+    "support_flip",
+    "token_id",
+    "prompt_id",
+    "sample_id",
+    "train_entropy",
+    TURN_COLUMN,
+)
 # The keys of metrics.json that are not flat metrics: records, tables, the configuration.
-STRUCTURED_KEYS = ("config", "curves", "threshold_sweep", "outliers", "recommendation")
+STRUCTURED_KEYS = ("config", "curves", "threshold_sweep", "outliers", "recommendation", "per_turn")
 
 
 def flat_part(data: dict[str, Any]) -> dict[str, float]:
@@ -68,7 +82,9 @@ class MetricsResult:
     config: MetricsConfig
     scalars: dict[str, float]
     curves: dict[str, Any]
-    tables: dict[str, Any] = field(default_factory=dict)  # threshold_sweep, outliers
+    # threshold_sweep, outliers; per_turn (one row per turn index, ``metrics.turns``) when the
+    # store holds more than one turn
+    tables: dict[str, Any] = field(default_factory=dict)
 
     def flat(self) -> dict[str, float]:
         """``{name: value}``, every value a finite float."""
@@ -76,7 +92,8 @@ class MetricsResult:
 
     def to_json_dict(self) -> dict[str, Any]:
         """``flat()`` plus ``config`` (the settings used), ``curves`` (see ``curves.py``) and
-        ``tables`` (``threshold_sweep``: see ``decisions.py``; ``outliers``: ``outliers.py``)."""
+        ``tables`` (``threshold_sweep``: see ``decisions.py``; ``outliers``: ``outliers.py``;
+        ``per_turn``: ``turns.py``)."""
         data = {**self.scalars, "config": self.config.describe(), "curves": self.curves}
         return {**data, **self.tables}
 
@@ -101,29 +118,46 @@ class MetricEngine:
         parts += [self.decisions, self.outliers, self.entropy]
         parts += [PresetAccumulator(p) for p in config.preset_specs]
         self.parts = parts
+        self.turns = TurnAccumulator()
 
-    def update(self, b: TokenBatch) -> None:
+    def update(self, b: TokenBatch, turn: np.ndarray | None = None) -> None:
+        """Add a batch; ``turn``: ``[N]`` turn of each row (None: every row turn 0)."""
         self.counts.update(b)
         for part in self.parts:
             part.update(b)
+        self.turns.update(b, turn if turn is not None else np.zeros(len(b.m), np.int64))
 
-    def result(self, source: str, setting: str | None = None) -> MetricsResult:
-        """The metrics; ``setting`` names the rows they cover (in each outlier record)."""
+    def result(
+        self,
+        source: str,
+        setting: str | None = None,
+        prompt_lengths: dict[int, int] | None = None,
+        extra: Any = None,
+    ) -> MetricsResult:
+        """The metrics; ``setting`` names the rows they cover (in each outlier record),
+        ``prompt_lengths`` (``seq_id -> tokens``) give the per-turn context, ``extra`` flat
+        scalars measured elsewhere (the re-render drift)."""
         if self.counts.tokens == 0:
             raise ProbeError(f"{source}: no valid response token")
         scalars = self.counts.scalars()
         for part in self.parts:
             scalars.update({k: float(v) for k, v in part.scalars(self.counts).items()})
+        scalars.update(extra or {})
         bad = [k for k, v in scalars.items() if not math.isfinite(v)]
         if bad:  # a bug, not bad input: every formula is meant to stay finite
             raise AssertionError(f"non-finite metrics: {', '.join(bad)}")
         c = self.counts
         curves = {**self.diagnostics.curves(c), **self.curves.curves(c)}
         curves.update({**self.decisions.curves(c), **self.entropy.curves(c)})
-        tables = {
+        tables: dict[str, Any] = {
             "threshold_sweep": self.decisions.sweep(c),
             "outliers": [{"setting": setting, **rec} for rec in self.outliers.outliers()],
         }
+        # ``per_turn`` only where there is more than one turn: a single-turn run's one row
+        # would repeat the run's own numbers
+        rows = self.turns.rows(prompt_lengths)
+        if len(rows) > 1:
+            tables["per_turn"] = list(rows)
         return MetricsResult(self.config, scalars, curves, tables)
 
 
@@ -185,7 +219,20 @@ def compute_metrics(
             table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
         table = _select_setting(table, setting, seen)
         if table.num_rows:
-            engine.update(batch_from_table(table))
+            turn = _turn_array(table)
+            engine.update(batch_from_table(table), turn)
     _check_settings(path, setting, seen)
     covered = setting if setting is not None or len(seen) != 1 else next(iter(seen))
-    return engine.result(str(path) if step is None else f"{path} step {step}", covered)
+    source = str(path) if step is None else f"{path} step {step}"
+    lengths = prompt_lengths(path, setting)
+    if step is not None:  # the sequences store of an ingested run has no per-step drift
+        return engine.result(source, covered, lengths)
+    return engine.result(source, covered, lengths, rerender_scalars(path, setting))
+
+
+def _turn_array(table: pa.Table) -> np.ndarray | None:
+    """``[N]`` int64 turn of each row (nulls as 0), or None without a ``turn`` column."""
+    if TURN_COLUMN not in table.column_names:
+        return None
+    col = pc.fill_null(table.column(TURN_COLUMN), 0)
+    return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)

@@ -30,6 +30,7 @@ from mismatch_probe.engine import rollout
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.attribution import NO_REPLAY, PREFILL, PREFILL_SINGLE, STALE
 from mismatch_probe.metrics.attribution import TRAIN_ROLLOUT_DTYPE as L3
+from mismatch_probe.pipeline import trajectory
 from mismatch_probe.pipeline.records import EngineRungs, Prepared, Rescored, RolloutRun
 from mismatch_probe.pipeline.rescoring import load_model
 from mismatch_probe.settings import RolloutSetting, Setting
@@ -115,7 +116,7 @@ def engine_rungs(llm: Any, rollouts: Sequence[rollout.Rollout]) -> EngineRungs:
 
 
 def _score(model: Any, rollouts: Sequence[rollout.Rollout], cfg: ScanConfig) -> list[np.ndarray]:
-    requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in rollouts]
+    requests = [trajectory.score_request(r) for r in rollouts]
     flip_eps = 0.0  # raw scoring: no support to flip
     scored = rescore.rescore(model, requests, cfg.rescoring_spec(), flip_eps, cfg.batch_tokens)
     return [s.logprobs for s in scored]

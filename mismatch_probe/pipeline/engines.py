@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from mismatch_probe import interrupt, models
-from mismatch_probe.engine import batch_invariant, process, rollout
+from mismatch_probe.engine import batch_invariant, process, rollout, turns
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.pipeline import attribution, routes
 from mismatch_probe.pipeline.config import ScanConfig
@@ -83,9 +83,7 @@ def _sampler(cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any) -> Pr
         bar = vllm_progress(progress, f"gen {run.setting.name}", total)
         start = time.perf_counter()
         with interrupt.stage("generation"):
-            rollouts = rollout.generate(
-                llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar
-            )
+            rollouts = turns.generate(llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar)
         seconds = time.perf_counter() - start
         timer.add("generation", seconds)
         return rollouts, seconds
@@ -136,8 +134,9 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
     try:
         with timer("engine_start"):
             rollout.check_supported(run.setting)
+            extra = {**turns.engine_defaults(prep.prompts), **cfg.vllm_args}  # prefix cache
             kwargs = rollout.engine_kwargs(
-                prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, cfg.vllm_args
+                prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, extra
             )
             run.engine_args = {**kwargs, **routes.engine_kwargs(prep.routing)}
             env = {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.pipeline import routes
+from mismatch_probe.pipeline import routes, trajectory
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun
 from mismatch_probe.pipeline.timing import Timer
@@ -63,8 +63,8 @@ def rescore_all(
 def _rescore_one(
     cfg: ScanConfig, prep: Prepared, model: Any, run: RolloutRun, setting: Setting, progress: Any
 ) -> Rescored:
-    requests = [rescore.ScoreRequest(r.prompt_ids, r.response_ids) for r in run.rollouts]
-    total = sum(len(r.response_ids) for r in run.rollouts)
+    requests = [trajectory.score_request(r) for r in run.rollouts]  # generated tokens only
+    total = sum(len(r.scored_indices()) for r in requests)
     task = progress.add_task(f"score {setting.name}", total=total, unit="tokens")
     routing = routes.train_routing(model, requests, prep.routing, setting.replay, run.routes)
     result = rescore.rescore(

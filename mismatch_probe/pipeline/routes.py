@@ -57,13 +57,17 @@ def engine_env(routing: Routing | None) -> dict[str, str]:
 def capture(
     llm: Any, rollouts: Sequence[Any], routing: Routing | None, timer: Timer
 ) -> list[Any] | None:
-    """The engine's ``[P + R - 1, L, K]`` routes of each rollout (timed as ``route_capture``);
-    None for a dense model."""
+    """The engine's ``[P + R - 1, L, K]`` routes of each rollout (a multi-turn trajectory's:
+    ``R`` everything after its first prompt, ``trajectory.token_view``), timed as
+    ``route_capture``; None for a dense model."""
     if routing is None:
         return None
+    from mismatch_probe.pipeline.trajectory import token_view
+
     with timer("route_capture"):
+        sequences = [token_view(r) for r in rollouts]
         shape, path = routing.shape, routing.setup.capture_path
-        return capture_engine.capture_routes(llm, rollouts, shape, path)
+        return capture_engine.capture_routes(llm, sequences, shape, path)
 
 
 def train_routing(

@@ -9,7 +9,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import models, store
-from mismatch_probe.engine import rollout
+from mismatch_probe.engine import rollout, turns
 from mismatch_probe.pipeline.records import Prepared, RolloutRun
 
 if TYPE_CHECKING:
@@ -67,7 +67,8 @@ def _hub_record(prep: Prepared) -> dict[str, str]:
 def prompts_hash(prep: Prepared) -> str:
     """sha256 of the prompt token ids the engine saw (file, count, chat template, tokenizer
     together): two runs with the same hash asked the same questions."""
-    ids = [list(p.token_ids) for p in prep.prompts]
+    ids: list[Any] = [list(p.token_ids) for p in prep.prompts]
+    ids += [[p.prompt_id, p.turns.after_end, p.turns.after_cut] for p in prep.prompts if p.turns]
     return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -91,7 +92,14 @@ def run_record(run: RolloutRun) -> dict[str, Any]:
         "skipped": run.skipped,
         "generation_seconds": run.generation_seconds,
         "tokens_per_s": run.tokens_per_s,
+        **_prefix_cache(run),
     }
+
+
+def _prefix_cache(run: RolloutRun) -> dict[str, Any]:
+    """Multi-turn: how much of the later turns' prompts the engine's prefix cache held."""
+    record = turns.prefix_cache_record(run.rollouts)
+    return {"prefix_cache": record} if record is not None else {}
 
 
 def library_versions() -> dict[str, str]:

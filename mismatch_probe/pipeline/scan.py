@@ -33,7 +33,7 @@ from mismatch_probe.engine import batch_invariant, process
 from mismatch_probe.engine.args import check_engine_args
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.models.checkpoint import check_weights
-from mismatch_probe.pipeline import attribution, engines, rescoring, routes
+from mismatch_probe.pipeline import attribution, engines, rescoring, routes, trajectory
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
 from mismatch_probe.pipeline.runinfo import run_metadata, run_record
@@ -120,8 +120,9 @@ def prepare(cfg: ScanConfig, out: bool = True) -> Prepared:
         raise ProbeError(f"--chat: the tokenizer of {model_dir} has no chat template")
     chat = has_template if cfg.chat is None else cfg.chat
     encoded = encode_prompts(inputs.prompts, tokenizer, chat, context, cfg.sampling.max_tokens)
+    trajectory.check(encoded, routing)
     # +1: a forced continuation (--same-tokens) asks for one token after a full response
-    longest = max(len(p.token_ids) for p in encoded) + cfg.sampling.max_tokens + 1
+    longest = max(p.longest_trajectory(cfg.sampling.max_tokens) for p in encoded) + 1
     max_len = min(context, longest)
     return Prepared(
         model_dir,

@@ -65,6 +65,8 @@ def prompts_digest(prep: Any) -> str:
     h = hashlib.sha256()
     for p in prep.prompts:
         h.update(json.dumps([p.prompt_id, list(p.token_ids)]).encode())
+        if p.turns is not None:  # a multi-turn prompt's given messages belong to it too
+            h.update(json.dumps([p.turns.after_end, p.turns.after_cut]).encode())
     return h.hexdigest()
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from mismatch_probe.engine.rollout import Rollout
+from mismatch_probe.pipeline import trajectory
 from mismatch_probe.settings import Setting
 from mismatch_probe.training.rescore import Scored
 
@@ -55,7 +56,7 @@ def token_table(
             "seq_id": per_seq([r.seq_id + seq_offset for r in rollouts], np.int64),
             "prompt_id": per_seq([r.prompt_id for r in rollouts], np.int64),
             "sample_id": per_seq([r.sample_id for r in rollouts], np.int32),
-            "position": _positions(lengths),
+            "position": _turn_values(rollouts, trajectory.token_positions, _positions(lengths)),
             "token_id": token_ids,
             "token_text": pa.array(texts, pa.string()),
             "rollout_logprob": np.array(
@@ -64,8 +65,16 @@ def token_table(
             "train_logprob": _concat([s.logprobs for s in scored], np.float32),
             "support_flip": _concat([s.support_flip for s in scored], np.bool_),
             **entropy,
+            "turn": _turn_values(rollouts, trajectory.token_turns, np.zeros(len(token_ids), "i4")),
         }
     )
+
+
+def _turn_values(rollouts: list[Rollout], per_token: Any, single: np.ndarray) -> np.ndarray:
+    """``[N]`` int32 values of ``per_token(rollout)``; ``single`` when no rollout has turns."""
+    if not any(r.turns is not None for r in rollouts):
+        return single
+    return np.array([v for r in rollouts for v in per_token(r)], dtype=np.int32)
 
 
 def _positions(lengths: np.ndarray) -> np.ndarray:
@@ -88,8 +97,14 @@ def decode_tokens(tokenizer: Any, token_ids: np.ndarray) -> list[str]:
 def sequence_table(
     setting: str, rollouts: list[Rollout], tokenizer: Any, seq_offset: int = 0
 ) -> pa.Table:
-    """One row per response (``store.SEQUENCE_SCHEMA``)."""
+    """One row per response (``store.SEQUENCE_SCHEMA`` and its multi-turn fields); a
+    multi-turn trajectory's ``response_text`` is everything after its prompt, given messages
+    included."""
     prompt_texts = tokenizer.batch_decode([r.prompt_ids for r in rollouts])
+    texts = [
+        tokenizer.decode(list(r.turns.continuation)) if r.turns else r.response_text
+        for r in rollouts
+    ]
     return pa.table(
         {
             "setting": [setting] * len(rollouts),
@@ -97,9 +112,10 @@ def sequence_table(
             "prompt_id": pa.array([r.prompt_id for r in rollouts], pa.int64()),
             "sample_id": pa.array([r.sample_id for r in rollouts], pa.int32()),
             "prompt_text": prompt_texts,
-            "response_text": [r.response_text for r in rollouts],
+            "response_text": texts,
             "prompt_length": pa.array([len(r.prompt_ids) for r in rollouts], pa.int32()),
             "response_length": pa.array([len(r.response_ids) for r in rollouts], pa.int32()),
             "finish_reason": [r.finish_reason for r in rollouts],
+            **trajectory.sequence_columns(rollouts, tokenizer),
         }
     )

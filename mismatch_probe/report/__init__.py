@@ -109,7 +109,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     Returns:
         ``{"metrics": ..., "integrity": ..., "report": ..., "html": ..., "plot_<name>": ...}``
     """
-    from mismatch_probe.report import attribution
+    from mismatch_probe.report import attribution, turns
     from mismatch_probe.report.html import write_html
     from mismatch_probe.report.integrity import write_integrity
     from mismatch_probe.report.markdown import render_markdown
@@ -133,6 +133,9 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
         del paths["metrics"]
     plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
     extra_plots = write_routing_plots(run_dir)
+    turns_plot = turns.write_plot(ctx, run_dir / store.PLOTS_DIR)
+    if turns_plot is not None:
+        extra_plots["plot_turns"] = turns_plot
     attribution_plots, attribution_md = attribution.outputs(run_dir)
     extra_plots.update(attribution_plots)
     trend, trend_plot = write_trend(ctx)
@@ -142,6 +145,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     top = settings_top_markdown(matrix, ctx.label) if matrix else None
     sections = [
         render_markdown(ctx, plots, top),
+        turns.markdown(ctx, turns_plot),
         settings_markdown(matrix, run_dir) if matrix else "",
         routing_markdown(run_dir),
         attribution_md,

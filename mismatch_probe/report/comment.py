@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from mismatch_probe.report import turns
 from mismatch_probe.report.compare import Comparison, Entry
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.integrity import integrity_markdown, runs_markdown
@@ -253,6 +254,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         *top,
         ("Verdicts", titled("Verdicts", verdict_section(verdicts))),
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
+        *[("Per turn", lines) for lines in [turns.section_lines(ctx, "####")] if lines],
         *_tail(ctx),
     ]
     sweep = decisions.sweep_md(ctx.tables)

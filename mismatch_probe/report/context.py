@@ -98,6 +98,7 @@ class RunContext:
     integrity: Integrity | None = None
     tables: dict[str, Any] = field(default_factory=dict)
     outliers: tuple[OutlierToken, ...] = ()
+    per_turn: tuple[dict[str, Any], ...] = ()  # metrics.json ``per_turn`` (metrics.turns)
 
     @property
     def tokens_path(self) -> Path:
@@ -110,8 +111,10 @@ class RunContext:
         return setting if isinstance(setting, str) and setting else self.run_dir.name
 
     def json_dict(self) -> dict[str, Any]:
-        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves`` + ``tables``."""
-        return {**self.metrics, "config": self.config, "curves": self.curves, **self.tables}
+        """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves`` + ``tables``
+        (+ ``per_turn``)."""
+        data = {**self.metrics, "config": self.config, "curves": self.curves, **self.tables}
+        return {**data, "per_turn": list(self.per_turn)} if self.per_turn else data
 
 
 def load_run(
@@ -162,6 +165,7 @@ def load_run(
         setting=setting,
         tables=tables,
         outliers=tuple(outlier_tokens(tokens, tables["outliers"])),
+        per_turn=tuple(data.get("per_turn") or ()),
     )
 
 
@@ -216,6 +220,7 @@ def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
     ok = ok and all(name in data["curves"] for name in CURVES) and "k3_kl" in data
     ok = ok and all(isinstance(data.get(name), list) for name in TABLES)
     flat = [v for k, v in data.items() if k not in STRUCTURED_KEYS] if ok else []
+    ok = ok and isinstance(data.get("per_turn", []), list)
     numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in flat)
     return data if ok and numbers else None
 

@@ -16,6 +16,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from mismatch_probe.report import turns
 from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.integrity import integrity_text
 from mismatch_probe.report.sections import (
@@ -182,6 +183,9 @@ def report_renderables(ctx: RunContext) -> list[RenderableType]:
     outliers = decisions.outliers_rich(ctx)
     if outliers is not None:
         parts.append(outliers)
+    if turns.is_multi_turn(ctx):
+        parts += [Text(), turns.terminal_table(ctx)]
+        parts += [Text(visible(line)) for line in turns.drift_text(ctx)]
     return parts
 
 

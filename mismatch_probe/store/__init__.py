@@ -100,16 +100,37 @@ SETTING_FIELDS = (
     pa.field("routing_replay", pa.string()),  # none | rollout (MoE routing replay, R3)
 )
 
+# Multi-turn trajectories (the multi-turn spec). ``turn``: 0-based index of the generated turn
+# of each token (a scan writes it always, 0 for a single-turn response); a store without it
+# reads as one turn. In a multi-turn trajectory ``position`` is the token's index in everything
+# after the first prompt (given context included), so positions have gaps between turns, as an
+# ingested response's masked-out tokens do.
+TURN_FIELD = pa.field("turn", pa.int32())
+# Sequences: ``num_turns`` and each turn's finish reason (comma-separated, in turn order);
+# re-render drift of a multi-turn trajectory (null elsewhere): whether the chat template,
+# applied to the final conversation, gives other ids than the trajectory's anywhere, how many
+# generated tokens differ or lack an aligned counterpart, and the first difference in context.
+SEQUENCE_TURN_FIELDS = (
+    pa.field("num_turns", pa.int32()),
+    pa.field("turn_finish_reasons", pa.string()),
+    pa.field("rerender_differs", pa.bool_()),
+    pa.field("rerender_mismatched_tokens", pa.int32()),
+    pa.field("rerender_context", pa.string()),
+)
+
 
 def token_schema(names: Sequence[str]) -> pa.Schema:
-    """``TOKEN_SCHEMA`` plus ``train_entropy``, the rung and the setting fields among ``names``."""
-    extra = [f for f in (ENTROPY_FIELD, *RUNG_FIELDS, *SETTING_FIELDS) if f.name in names]
+    """``TOKEN_SCHEMA`` plus the entropy, rung, turn and setting fields among ``names``."""
+    extra = [
+        f for f in (ENTROPY_FIELD, *RUNG_FIELDS, TURN_FIELD, *SETTING_FIELDS) if f.name in names
+    ]
     return pa.schema([*TOKEN_SCHEMA, *extra])
 
 
 def sequence_schema(names: Sequence[str]) -> pa.Schema:
     """``SEQUENCE_SCHEMA`` plus the setting fields among ``names``."""
-    return pa.schema([*SEQUENCE_SCHEMA, *(f for f in SETTING_FIELDS if f.name in names)])
+    optional = (*SEQUENCE_TURN_FIELDS, *SETTING_FIELDS)
+    return pa.schema([*SEQUENCE_SCHEMA, *(f for f in optional if f.name in names)])
 
 
 # What each column holds, in words, stored as each Parquet field's ``description`` metadata
@@ -150,6 +171,14 @@ FIELD_DESCRIPTIONS: dict[str, str] = {
     "response_length": "response length in tokens",
     "finish_reason": "why generation stopped (stop, length, ...)",
     "step": "training step of an ingested run",
+    "turn": "0-based index of the generated turn the token belongs to (0 for single-turn)",
+    "num_turns": "generated turns of the trajectory (1 for single-turn)",
+    "turn_finish_reasons": "each turn's finish reason, comma-separated, in turn order",
+    "rerender_differs": "re-rendering the final conversation with the chat template gives other "
+    "ids than the trajectory's",
+    "rerender_mismatched_tokens": "generated tokens whose re-rendered id differs or has no "
+    "aligned counterpart",
+    "rerender_context": "the first re-render difference, in context",
 }
 
 
@@ -216,7 +245,7 @@ def _is_text(t: pa.DataType) -> bool:
 # strings, lists or fractional ids would otherwise fail deep inside a reader): (test, in words).
 COLUMN_KINDS: dict[str, tuple[Any, str]] = {
     **{name: (_is_integer, "integers") for name in
-       ("seq_id", "prompt_id", "sample_id", "position", "token_id")},
+       ("seq_id", "prompt_id", "sample_id", "position", "token_id", "turn")},
     **{name: (_is_number, "numbers") for name in
        ("rollout_logprob", "train_logprob", "train_entropy")},
     "support_flip": (pa.types.is_boolean, "booleans"),

@@ -36,10 +36,20 @@ ROW_CHUNK = 512  # most positions whose [rows, V] logits (and temporaries) exist
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    """One sequence to rescore: the ids exactly as the engine saw and sampled them."""
+    """One sequence to rescore: the ids exactly as the engine saw and sampled them.
+
+    ``scored``: the indices into ``response_ids`` of the tokens to score (None: every one). A
+    multi-turn trajectory is one request (``response_ids`` everything after its first prompt,
+    given context included) whose ``scored`` are its generated tokens.
+    """
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
+    scored: Sequence[int] | None = None
+
+    def scored_indices(self) -> Sequence[int]:
+        """``[R]`` indices into ``response_ids`` of the scored tokens."""
+        return range(len(self.response_ids)) if self.scored is None else self.scored
 
 
 @dataclass
@@ -120,7 +130,7 @@ def rescore(
             right-padded to the longest ``prompt + response`` of the batch.
 
     Returns:
-        One ``Scored`` per request, in request order.
+        One ``Scored`` per request, in request order, aligned with its ``scored_indices()``.
     """
     import numpy as np
 
@@ -133,7 +143,7 @@ def rescore(
         for i, s in zip(batch, scored, strict=True):
             results[i] = s
         if on_batch is not None:
-            on_batch(sum(len(requests[i].response_ids) for i in batch))
+            on_batch(sum(len(requests[i].scored_indices()) for i in batch))
     empty = Scored(np.zeros(0, np.float32), np.zeros(0, bool), np.zeros(0, np.float32))
     return [r if r is not None else empty for r in results]
 
@@ -163,7 +173,7 @@ def _score_batch(
         logprobs = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0)
         flips = torch.cat([c[1] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.bool)
         entropy = torch.cat([c[2] for c in chunks]) if chunks else torch.zeros(0)
-    sizes = [len(r.response_ids) for r in batch]
+    sizes = [len(r.scored_indices()) for r in batch]
     parts = zip(*(t.cpu().split(sizes) for t in (logprobs, flips, entropy)), strict=True)
     return [
         Scored(lp.numpy().astype("float32"), fl.numpy(), h.numpy().astype("float32"))
@@ -229,7 +239,8 @@ def _right_padded(
 
     Returns:
         ``(ids [B, L], mask [B, L], rows [N], cols [N])`` where ``cols`` are the columns whose
-        logits predict the response tokens (``prompt_len - 1 .. total - 2``).
+        logits predict the scored response tokens (``prompt_len - 1 + i`` for each scored
+        index ``i``: ``prompt_len - 1 .. total - 2`` when every token is scored).
     """
     import torch
 
@@ -243,7 +254,8 @@ def _right_padded(
         ids[b, : len(seq)] = torch.tensor(seq)
         mask[b, : len(seq)] = 1
         start = len(r.prompt_ids) - 1
-        rows += [b] * len(r.response_ids)
-        cols += range(start, start + len(r.response_ids))
+        scored = r.scored_indices()
+        rows += [b] * len(scored)
+        cols += (start + i for i in scored)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     return ids.to(device), mask.to(device), as_tensor(rows), as_tensor(cols)

@@ -66,6 +66,12 @@ def _sharded_scan() -> dict[str, Any]:
     return bench_sharded_scan()
 
 
+def _multiturn() -> dict[str, Any]:
+    from tests.bench.multiturn import bench_multiturn
+
+    return bench_multiturn()
+
+
 def _sharded_metrics() -> dict[str, Any]:
     from tests.bench.sharded_metrics import bench_sharded_metrics
 
@@ -101,6 +107,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "attribution": _attribution,
     "sharded_scan": _sharded_scan,
     "sharded_metrics": _sharded_metrics,
+    "multiturn": _multiturn,
     "lifecycle": _lifecycle,
 }
 
