@@ -339,3 +339,65 @@ def test_every_run_script_is_valid_bash(path: Path) -> None:
             script = re.sub(r"\$\{\{.*?\}\}", "X", s["run"])
             result = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
             assert result.returncode == 0, f"{s.get('name')}: {result.stderr}"
+
+
+FAKE_GH = """#!/bin/sh
+echo "gh $*" >> "$GH_LOG"
+case "$*" in
+  *--paginate*) cat "$GH_EXISTING" ;;  # the ids the --jq filter would select
+esac
+"""
+
+
+@pytest.mark.parametrize("path", [RECIPE, ACTION], ids=lambda p: p.name)
+@pytest.mark.parametrize("existing", ["", "4242\n"], ids=["first push", "later push"])
+def test_the_comment_step_creates_then_updates_its_comment(
+    path: Path, existing: str, tmp_path: Path
+) -> None:
+    """The comment step run by bash with a fake ``gh``: the body starts with the hidden marker
+    and links the uploaded artifact; without a comment carrying the marker it creates one, with
+    one it edits that comment (never ``--edit-last``)."""
+    flow = load(path)
+    (comment,) = [s for s in steps(flow) if "gh pr comment" in s.get("run", "")]
+    work = tmp_path / "work"
+    (work / ".probe-gate").mkdir(parents=True)
+    (work / "runs").mkdir()
+    for report in (work / ".probe-gate" / "comment.md", work / "runs" / "comment.md"):
+        report.write_text("## Mismatch\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gh").write_text(FAKE_GH)
+    (bin_dir / "gh").chmod(0o755)
+    (tmp_path / "existing").write_text(existing)
+    values = {
+        "github.token": "t",
+        "inputs.github-token": "t",
+        "github.event.pull_request.number": "7",
+        "steps.upload.outputs.artifact-url": "https://example.invalid/artifacts/1",
+        "inputs.name": "mismatch",
+    }
+    env = {
+        **{k: str(v) for k, v in flow.get("env", {}).items()},
+        **{k: re.sub(r"\$\{\{\s*(.+?)\s*\}\}", lambda m: values[m[1]], str(v))
+           for k, v in comment["env"].items()},
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "GITHUB_REPOSITORY": "org/repo",
+        "GH_LOG": str(tmp_path / "gh.log"),
+        "GH_EXISTING": str(tmp_path / "existing"),
+    }  # fmt: skip
+    result = subprocess.run(
+        ["bash", "-e", "-c", comment["run"]], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "gh.log").read_text().splitlines()
+    body_file = next(work.rglob("body.md"))
+    body = body_file.read_text().splitlines()
+    assert body[0].startswith("<!-- ") and body[0].endswith(" -->")  # the hidden marker first
+    assert "## Mismatch" in body and "(https://example.invalid/artifacts/1)" in body[-1]
+    assert calls[0].startswith("gh api repos/org/repo/issues/7/comments --paginate --jq")
+    assert body[0] in calls[0]  # looked up by its marker
+    if existing:
+        assert calls[1].startswith("gh api -X PATCH repos/org/repo/issues/comments/4242 -F body=@")
+    else:
+        assert calls[1].startswith("gh pr comment 7 --repo org/repo --body-file ")
+    assert len(calls) == 2 and not any("--edit-last" in c for c in calls)
