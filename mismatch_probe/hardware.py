@@ -85,7 +85,8 @@ def compute_key(cpu: dict[str, Any], gpus: list[str]) -> str:
 
 def hardware() -> dict[str, Any]:
     """``run.json``'s ``hardware`` record: the CPU (model, kernel flags, count), the GPUs and
-    ``compute`` (``compute_key``), plus the platform and thread count."""
+    ``compute`` (``compute_key``), plus the platform, torch's threads and the instruction set
+    torch's CPU kernels dispatch to."""
     import os
 
     import torch
@@ -100,6 +101,7 @@ def hardware() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
     }
     if gpus:
         info["gpu"] = gpus[0]

@@ -338,3 +338,189 @@ def test_every_run_script_is_valid_bash(path: Path) -> None:
             script = re.sub(r"\$\{\{.*?\}\}", "X", s["run"])
             result = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
             assert result.returncode == 0, f"{s.get('name')}: {result.stderr}"
+
+
+FAKE_GH = """#!/bin/sh
+echo "gh $*" >> "$GH_LOG"
+case "$*" in
+  *--paginate*) cat "$GH_EXISTING" ;;  # the ids the --jq filter would select
+esac
+"""
+
+
+@pytest.mark.parametrize("path", [RECIPE, ACTION], ids=lambda p: p.name)
+@pytest.mark.parametrize("existing", ["", "4242\n"], ids=["first push", "later push"])
+def test_the_comment_step_creates_then_updates_its_comment(
+    path: Path, existing: str, tmp_path: Path
+) -> None:
+    """The comment step run by bash with a fake ``gh``: the body starts with the hidden marker
+    and links the uploaded artifact; without a comment carrying the marker it creates one, with
+    one it edits that comment (never ``--edit-last``)."""
+    flow = load(path)
+    (comment,) = [s for s in steps(flow) if "gh pr comment" in s.get("run", "")]
+    work = tmp_path / "work"
+    (work / ".probe-gate").mkdir(parents=True)
+    (work / "runs").mkdir()
+    for report in (work / ".probe-gate" / "comment.md", work / "runs" / "comment.md"):
+        report.write_text("## Mismatch\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gh").write_text(FAKE_GH)
+    (bin_dir / "gh").chmod(0o755)
+    (tmp_path / "existing").write_text(existing)
+    values = {
+        "github.token": "t",
+        "inputs.github-token": "t",
+        "github.event.pull_request.number": "7",
+        "steps.upload.outputs.artifact-url": "https://example.invalid/artifacts/1",
+        "inputs.name": "mismatch",
+    }
+    env = {
+        **{k: str(v) for k, v in flow.get("env", {}).items()},
+        **{k: re.sub(r"\$\{\{\s*(.+?)\s*\}\}", lambda m: values[m[1]], str(v))
+           for k, v in comment["env"].items()},
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "GITHUB_REPOSITORY": "org/repo",
+        "GH_LOG": str(tmp_path / "gh.log"),
+        "GH_EXISTING": str(tmp_path / "existing"),
+    }  # fmt: skip
+    result = subprocess.run(
+        ["bash", "-e", "-c", comment["run"]], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    calls = (tmp_path / "gh.log").read_text().splitlines()
+    body_file = next(work.rglob("body.md"))
+    body = body_file.read_text().splitlines()
+    assert body[0].startswith("<!-- ") and body[0].endswith(" -->")  # the hidden marker first
+    assert "## Mismatch" in body and "(https://example.invalid/artifacts/1)" in body[-1]
+    assert calls[0].startswith("gh api repos/org/repo/issues/7/comments --paginate --jq")
+    assert body[0] in calls[0]  # looked up by its marker
+    if existing:
+        assert calls[1].startswith("gh api -X PATCH repos/org/repo/issues/comments/4242 -F body=@")
+    else:
+        assert calls[1].startswith("gh pr comment 7 --repo org/repo --body-file ")
+    assert len(calls) == 2 and not any("--edit-last" in c for c in calls)
+
+
+# --- the composite action, run step by step with fake tools ------------------------------------
+
+FAKE_TOOLS = {
+    "make": 'echo "make $*" >> "$CALLS"\n',
+    "gh": 'echo "gh $*" >> "$CALLS"\n',
+    "pip": 'echo "pip $*" >> "$CALLS"\n',
+    # probe: record the call; a scan writes its --out, compare/report print a comment
+    "probe": """echo "probe $*" >> "$CALLS"
+out=""; prev=""
+for a in "$@"; do [ "$prev" = --out ] && out="$a"; prev="$a"; done
+case "$1" in
+  scan) mkdir -p "$out" && echo '{}' > "$out/run.json" ;;
+  compare|report) echo "## comment of $1" ;;
+esac
+""",
+}
+
+
+def expression(text: str, context: dict[str, str]) -> str:
+    """``${{ a.b }}`` -> its value in ``context`` (the subset of GitHub's expressions used)."""
+    return re.sub(r"\$\{\{\s*(.+?)\s*\}\}", lambda m: context.get(m[1], ""), text)
+
+
+def condition(text: str, context: dict[str, str]) -> bool:
+    """``steps.x.outputs.y != 'none' && inputs.comment == 'true'`` evaluated on ``context``
+    (names outside quotes become their values; ``&&``, ``||``, ``==``, ``!=`` as in Python)."""
+    parts = re.split(r"('[^']*')", text)
+    for i in range(0, len(parts), 2):  # outside the quoted literals
+        names = re.sub(r"[A-Za-z_][\w.-]*", lambda m: repr(context.get(m[0], "")), parts[i])
+        parts[i] = names.replace("&&", " and ").replace("||", " or ")
+    return bool(eval("".join(parts)))  # the expressions of our own action.yml
+
+
+def run_action(tmp_path: Path, inputs: dict[str, str]) -> list[str]:
+    """Every step of action.yml in order: run steps by bash (fake make, pip, probe, gh on PATH),
+    ``uses`` steps as a cache miss, a checkout (a directory) and an upload (a URL)."""
+    action = load(ACTION)
+    work, temp, bin_dir = tmp_path / "work", tmp_path / "temp", tmp_path / "bin"
+    for d in (work, temp, bin_dir):
+        d.mkdir()
+    venv_bin = temp / "probe-venv" / "bin"  # the installed venv: its python names the hardware
+    venv_bin.mkdir(parents=True)
+    tools = {bin_dir / name: body for name, body in FAKE_TOOLS.items()}
+    tools[venv_bin / "python"] = 'echo "cpu avx2"\n'
+    for tool, body in tools.items():
+        tool.write_text("#!/bin/sh\n" + body)
+        tool.chmod(0o755)
+    calls, path_file = tmp_path / "calls", tmp_path / "path"
+    calls.write_text("")
+    path_file.write_text("")
+    context = {f"inputs.{k}": str(v["default"]) for k, v in action["inputs"].items()}
+    context.update({f"inputs.{k}": v for k, v in inputs.items()})
+    context.update(
+        {
+            "github.token": "t",
+            "github.event_name": "pull_request",
+            "github.event.pull_request.base.sha": "b" * 40,
+            "github.event.pull_request.number": "7",
+            "runner.temp": str(temp),
+        }
+    )
+    for s in steps(action):
+        if "if" in s and not condition(s["if"], context):
+            continue
+        outputs: dict[str, str] = {}
+        uses = s.get("uses", "")
+        if uses.startswith("actions/cache"):
+            outputs["cache-hit"] = "false"
+        elif uses.startswith("actions/checkout"):
+            (work / s["with"]["path"]).mkdir(parents=True)
+        elif uses.startswith("actions/upload-artifact"):
+            outputs["artifact-url"] = "https://example.invalid/artifacts/9"
+        elif "run" in s:
+            out_file = tmp_path / "out"
+            out_file.write_text("")
+            extra_path = ":".join(path_file.read_text().split())
+            env = {
+                **{k: expression(str(v), context) for k, v in s.get("env", {}).items()},
+                "PATH": ":".join(p for p in (str(bin_dir), extra_path, "/usr/bin:/bin") if p),
+                "CALLS": str(calls),
+                "GITHUB_OUTPUT": str(out_file),
+                "GITHUB_PATH": str(path_file),
+                "GITHUB_ACTION_PATH": str(ACTION.parent),
+                "GITHUB_REPOSITORY": "org/repo",
+                "RUNNER_TEMP": str(temp),
+                "RUNNER_OS": "Linux",
+            }
+            script = expression(s["run"], context)
+            result = subprocess.run(
+                ["bash", "-e", "-c", script], cwd=work, env=env, capture_output=True, text=True
+            )
+            assert result.returncode == 0, f"{s['name']}: {result.stderr}"
+            lines = out_file.read_text().splitlines()
+            outputs = dict(line.split("=", 1) for line in lines if "=" in line)
+        for key, value in outputs.items():
+            context[f"steps.{s.get('id')}.outputs.{key}"] = value
+    return calls.read_text().splitlines()
+
+
+def test_the_action_runs_baseline_head_compare_comment_gate(tmp_path: Path) -> None:
+    calls = run_action(tmp_path, {"model": "org/model", "install": "pip install -e ."})
+    probe = [c for c in calls if c.startswith("probe ")]
+    assert probe[0].startswith("probe scan --model org/model --num-prompts 32")
+    assert probe[0].endswith(f"--out {tmp_path}/work/.probe-gate/base")
+    assert probe[1].endswith("--out .probe-gate/head --force")
+    assert probe[2].startswith("probe compare .probe-gate/base .probe-gate/head")
+    assert probe[3].startswith("probe check .probe-gate/head --baseline .probe-gate/base")
+    assert "--max-increase k3_kl=1.5x" in probe[3]
+    assert calls[0].startswith("make -C ") and "EXTRAS=cpu" in calls[0]
+    assert [c for c in calls if c.startswith("pip ")] == ["pip install -e ."] * 2  # both sides
+    gh = [c for c in calls if c.startswith("gh ")]
+    assert gh[0].startswith("gh api") and gh[1].startswith("gh pr comment 7")
+
+
+def test_the_action_without_a_baseline_gates_absolute_bounds(tmp_path: Path) -> None:
+    calls = run_action(
+        tmp_path, {"baseline-ref": "none", "bounds": "--max k3_kl=1e-2", "comment": "false"}
+    )
+    probe = [c for c in calls if c.startswith("probe ")]
+    assert [c.split()[1] for c in probe] == ["scan", "report", "check"]
+    assert probe[2] == "probe check .probe-gate/head --max k3_kl=1e-2"
+    assert not [c for c in calls if c.startswith("gh ")]

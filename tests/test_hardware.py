@@ -75,6 +75,7 @@ def test_this_machine() -> None:
     info = hardware()
     assert info["cpu_model"] and set(info["cpu_flags"]) <= set(KERNEL_FLAGS)
     assert info["compute"] == compute_key(info, info.get("gpus", []))
+    assert isinstance(info["torch_cpu_capability"], str) and info["torch_cpu_capability"]
     printed = subprocess.run(
         [sys.executable, "-m", "mismatch_probe.hardware"], capture_output=True, text=True
     )
