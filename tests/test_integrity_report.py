@@ -93,7 +93,9 @@ def test_findings_are_shown_first_everywhere(tmp_path: Path) -> None:
         f"- ❌ **error** `positive_logprob` (1 tokens, 1 sequences): {escape(POSITIVE)}",
         "",
     ]
-    assert md[8] == "## Settings"
+    # the integrity error turns the recommendation (right below) into "investigate first"
+    assert md[8].startswith("**Recommendation:** Investigate first: the integrity check ")
+    assert "positive\\_logprob" in md[8] and md.index("## Settings") > 8
     assert terminal(integrity_text(ctx.integrity)).splitlines() == [
         "Data integrity: 1 error (numbers below may not mean what they say)",
         "  ✘ error positive_logprob (1 tokens, 1 sequences): 1 log-probs above 0 (largest 5): a ",

@@ -217,7 +217,9 @@ def _turn_context(tmp_path: Path) -> Any:
          "first_token_abs_log_ratio_mean": 0.05, "token_mult_prob_error": 1.0412},
     )  # fmt: skip
     metrics = {"rerender_trajectory_fraction": 0.5, "rerender_token_fraction": 0.0125}
-    return RunContext(tmp_path, {"setting": "rollout=bf16"}, metrics, {}, {}, (), None, rows)
+    return RunContext(
+        tmp_path, {"setting": "rollout=bf16"}, metrics, {}, {}, (), None, per_turn=rows
+    )
 
 
 def test_per_turn_markdown_exact(tmp_path: Path) -> None:

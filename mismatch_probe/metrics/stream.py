@@ -90,6 +90,11 @@ class MetricsResult:
         """``{name: value}``, every value a finite float."""
         return dict(self.scalars)
 
+    @property
+    def per_turn(self) -> tuple[dict[str, Any], ...]:
+        """One row per turn index (``turns.py``); () for a store of one turn."""
+        return tuple(self.tables.get("per_turn", ()))
+
     def to_json_dict(self) -> dict[str, Any]:
         """``flat()`` plus ``config`` (the settings used), ``curves`` (see ``curves.py``) and
         ``tables`` (``threshold_sweep``: see ``decisions.py``; ``outliers``: ``outliers.py``;

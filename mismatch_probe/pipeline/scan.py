@@ -305,6 +305,7 @@ def finish(
         run = run_metadata(cfg, prep, runs, timer.seconds)
         for entry, r in zip(run["rollouts"], runs, strict=True):  # throughput over the ranges
             entry["tokens_per_s"] = speed[r.setting]
+            entry.update(prefix_cache(records, r.setting.name))
         run.update(range_fields(cfg, records))
         paths.update(routes.finish(out, prep.routing, present, run))  # no-op for a dense model
     with timer("reports"):
@@ -341,6 +342,18 @@ def merged_runs(
         for name, r in runs.items()
     }
     return list(runs.values()), speed
+
+
+def prefix_cache(records: list[dict[str, Any]], setting: str) -> dict[str, Any]:
+    """A multi-turn setting's ``prefix_cache`` record summed over the ranges ({} without
+    multi-turn): the later turns' requests, their prompt tokens, how many the cache held."""
+    found = [
+        e["prefix_cache"] for r in records for e in r["runs"]
+        if e["setting"] == setting and "prefix_cache" in e
+    ]  # fmt: skip
+    if not found:
+        return {}
+    return {"prefix_cache": {key: sum(f[key] for f in found) for key in found[0]}}
 
 
 def range_fields(cfg: ScanConfig, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -364,18 +364,6 @@ def plot_entropy(fig: Figure, ax: Axes, ctx: RunContext) -> None:
     """Mean |log rho| (bars) and mean k3 (line, right axis) per decile of train_entropy."""
     curve = ctx.curves.get("entropy") or {}
     bins = curve.get("bins") or []
-    if not curve.get("available") or not bins:
-        ax.text(
-            0.5,
-            0.5,
-            "no train_entropy in this store\n(ingested logs hold log-probs, "
-            "not logits;\nstores written before the column lack it)",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-        )
-        ax.set_axis_off()
-        return
     x = np.arange(len(bins))
     means = np.array([b["mean_abs_log_ratio"] for b in bins])
     ax.bar(x, means, color="tab:blue", label="mean |log ρ| (left axis)")
@@ -462,11 +450,21 @@ def subtitle(ctx: RunContext) -> str:
     return visible(text)  # a model or setting name's control characters, escaped
 
 
+# Plots drawn only when the run has their data (no empty figure: the report says why instead).
+NEEDS: dict[str, Callable[[RunContext], bool]] = {
+    "entropy": lambda ctx: bool((ctx.curves.get("entropy") or {}).get("available")),
+}
+
+
 def write_plots(ctx: RunContext, out_dir: Path) -> dict[str, tuple[Path, str]]:
-    """Write every plot of ``PLOTS`` as ``out_dir/<name>.png``; returns name -> (path, title)."""
+    """Write every plot of ``PLOTS`` whose data the run has as ``out_dir/<name>.png`` (a stale
+    one of an earlier run is removed); returns name -> (path, title)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for name, (title, draw) in PLOTS.items():
+        if not NEEDS.get(name, lambda _: True)(ctx):
+            (out_dir / f"{name}.png").unlink(missing_ok=True)
+            continue
         fig, ax = new_figure()
         draw(fig, ax, ctx)
         written[name] = (save(fig, out_dir / f"{name}.png", title, subtitle(ctx)), title)
