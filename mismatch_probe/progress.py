@@ -143,8 +143,21 @@ class PlainProgress:
         return None
 
     def _print(self, line: str) -> None:
-        if not getattr(self._console, "quiet", False):
-            print(line, file=self._console.file, flush=True)
+        _print_line(self._console, line)
+
+
+def phase_lines(console: Any) -> Callable[[str], None] | None:
+    """Where nobody watches a terminal, one plain line as each phase of a scan starts
+    (``engine_start: started``, ``model_load: started``: the phases without a progress task of
+    their own); None on a terminal, where the bars show what runs."""
+    if console.is_terminal:
+        return None
+    return lambda phase: _print_line(console, f"{phase}: started")
+
+
+def _print_line(console: Any, line: str) -> None:
+    if not getattr(console, "quiet", False):
+        print(line, file=console.file, flush=True)
 
 
 def _clock_text(seconds: float) -> str:

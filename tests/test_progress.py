@@ -9,7 +9,7 @@ import io
 from rich.console import Console
 from rich.progress import Progress
 
-from mismatch_probe.progress import PlainProgress, make_progress, vllm_progress
+from mismatch_probe.progress import PlainProgress, make_progress, phase_lines, vllm_progress
 
 
 class Clock:
@@ -81,3 +81,19 @@ def test_quiet_console_prints_nothing_and_the_stream_is_looked_up_per_line() -> 
     console.file = later = io.StringIO()  # the scan points the console elsewhere during a run
     progress.update(task, advance=2)
     assert later.getvalue().startswith("gen: done, 2 responses in ")
+
+
+def test_each_timed_phase_says_when_it_starts_without_a_terminal() -> None:
+    """The phases without a progress task (engine start, model load, metrics, reports) get one
+    line as they start in a pipe; a terminal gets none (its bars show what runs)."""
+    from mismatch_probe.pipeline.timing import Timer
+
+    pipe = Console(file=io.StringIO(), width=200)
+    timer = Timer(phase_lines(pipe))
+    with timer("engine_start"):
+        pass
+    with timer("model_load"):
+        pass
+    assert pipe.file.getvalue() == "engine_start: started\nmodel_load: started\n"
+    assert set(timer.seconds) == {"engine_start", "model_load"}
+    assert phase_lines(Console(file=io.StringIO(), force_terminal=True)) is None

@@ -39,7 +39,7 @@ from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, Scan
 from mismatch_probe.pipeline.runinfo import run_metadata, run_record
 from mismatch_probe.pipeline.tables import sequence_table, token_table, with_setting_columns
 from mismatch_probe.pipeline.timing import Timer
-from mismatch_probe.progress import make_progress
+from mismatch_probe.progress import make_progress, phase_lines
 from mismatch_probe.prompts import (
     Prompt,
     default_prompts_path,
@@ -200,6 +200,7 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     with timer("prepare"):
         prep = prepare(cfg)
         out = store.writable_dir(prep.out_dir, "--out")  # every check passed: now created
+    timer.announce = phase_lines(console)  # bad input is one line: phases only from here
     interrupt.writing_to(out, started)
     with make_progress(console) as progress:
         record = run_range(cfg, prep, whole_part(out, len(prep.prompts)), timer, progress, console)

@@ -184,12 +184,14 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
     from contextlib import nullcontext
 
     from mismatch_probe.pipeline import raycluster
+    from mismatch_probe.progress import phase_lines
 
     timer = Timer()
     with timer("prepare"):
         prep = scan.prepare(cfg)
         out = prep.out_dir
         plan = plan_shards(len(prep.prompts), cfg.shards)
+    timer.announce = phase_lines(console)  # bad input is one line: phases only from here
     # Ray is joined before anything in --out is touched: a wrong address loses nothing.
     ray = cfg.ray
     joined = (
