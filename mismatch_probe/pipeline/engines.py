@@ -134,7 +134,7 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
     try:
         with timer("engine_start"):
             rollout.check_supported(run.setting)
-            extra = {**turns.engine_defaults(prep.prompts), **cfg.vllm_args}  # prefix cache
+            extra = {**prep.engine_defaults, **cfg.vllm_args}  # multi-turn: prefix cache
             kwargs = rollout.engine_kwargs(
                 prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, extra
             )

@@ -38,6 +38,9 @@ class Prepared:
     # --attribute's extra models: "rollout_dtype=<dtype>" or "stale=<dtype>" -> device map
     attribution_devices: dict[str, Any] = field(default_factory=dict)
     out: Path | None = None  # the output directory, checked (None: a shard's worker)
+    # engine arguments every range's engines take from the whole prompt file (the prefix cache
+    # of a multi-turn file), so that every shard starts the same engine
+    engine_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def out_dir(self) -> Path:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import pyarrow as pa
 
 from mismatch_probe import interrupt, models, store
-from mismatch_probe.engine import batch_invariant, process
+from mismatch_probe.engine import batch_invariant, process, turns
 from mismatch_probe.engine.args import check_engine_args
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.models.checkpoint import check_weights
@@ -134,6 +134,7 @@ def prepare(cfg: ScanConfig, out: bool = True) -> Prepared:
         routing,
         invariant,
         out=inputs.out,
+        engine_defaults=turns.engine_defaults(encoded),
     )
 
 
@@ -240,7 +241,7 @@ def run_range(
     rng = replace(prep, prompts=prep.prompts[first:stop])
     runs = engines.run_engines(cfg, rng, timer, progress, console)
     scored = rescoring.rescore_all(cfg, rng, runs, timer, progress)
-    assign_seq_ids(scored, total, first * cfg.samples_per_prompt)
+    assign_seq_ids(scored, cfg.settings(), total, first * cfg.samples_per_prompt)
     attribution.train_step(cfg, rng, runs, scored, timer)  # nothing without --attribute
     record = {
         "shard": part.shard,
@@ -265,19 +266,24 @@ def run_range(
     return record
 
 
-def assign_seq_ids(scored: dict[Setting, Rescored], total: int, first: int) -> None:
-    """The one seq_id rule: setting ``i`` (in the scan's order, of those that ran) takes
-    ``[i * total, (i + 1) * total)``, and a range starting at sequence ``first`` of the whole
-    scan keeps its place in it, so a sharded store holds the same (setting, seq_id) rows as one
-    file.
+def assign_seq_ids(
+    scored: dict[Setting, Rescored], settings: Sequence[Setting], total: int, first: int
+) -> None:
+    """The one seq_id rule: setting ``i`` of the scan's settings (every one requested, whether
+    it ran or not, so every range of a sharded scan agrees even where a setting could not run
+    on one node) takes ``[i * total, (i + 1) * total)``, and a range starting at sequence
+    ``first`` of the whole scan keeps its place in it, so a sharded store holds the same
+    (setting, seq_id) rows as one file.
 
     Args:
-        scored: the range's settings in the scan's order (updated in place: ``seq_offset``).
+        scored: the range's settings that ran (updated in place: ``seq_offset``).
+        settings: the scan's settings in order (``ScanConfig.settings()``).
         total: sequences per setting in the whole scan (prompts x samples per prompt).
         first: the range's first sequence (its first prompt x samples per prompt).
     """
-    for i, rescored in enumerate(scored.values()):
-        rescored.seq_offset = i * total + first
+    place = {setting: i for i, setting in enumerate(settings)}
+    for setting, rescored in scored.items():
+        rescored.seq_offset = place[setting] * total + first
 
 
 def engine_run_record(run: RolloutRun) -> dict[str, Any]:
@@ -304,6 +310,7 @@ def finish(
         results = setting_metrics(paths["tokens"], present)
         flat = settings_json(paths, results, speed)
         run = run_metadata(cfg, prep, runs, timer.seconds)
+        run["setting"] = present[0].name  # the reference: the first setting that ran
         for entry, r in zip(run["rollouts"], runs, strict=True):  # throughput over the ranges
             entry["tokens_per_s"] = speed[r.setting]
             entry.update(prefix_cache(records, r.setting.name))

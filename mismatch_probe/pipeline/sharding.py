@@ -191,7 +191,6 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
         prep = scan.prepare(cfg)
         out = prep.out_dir
         plan = plan_shards(len(prep.prompts), cfg.shards)
-    timer.announce = phase_lines(console)  # bad input is one line: phases only from here
     # Ray is joined before anything in --out is touched: a wrong address loses nothing.
     ray = cfg.ray
     joined = (
@@ -201,6 +200,7 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
         with timer("prepare"):
             store.writable_dir(out, "--out")
             done = start_or_resume(out, cfg, prep, plan)
+        timer.announce = phase_lines(console)  # bad input is one line: phases only from here
         pending = [k for k in range(len(plan)) if k not in done]
         interrupt.resumable(partial(kept_shards, out, len(plan)))
         if done:

@@ -142,7 +142,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     if trend_plot:
         extra_plots["plot_trend"] = trend_plot
     matrix = entries if entries and len(entries) > 1 else None
-    top = settings_top_markdown(matrix, ctx.label) if matrix else None
+    top = settings_top_markdown(matrix, ctx.label, len(names)) if matrix else None
     sections = [
         render_markdown(ctx, plots, top),
         turns.markdown(ctx, turns_plot),
@@ -162,15 +162,21 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """For a matrix run every setting judged first, then the terminal report (of the reference
     setting, which its header names)."""
+    from dataclasses import replace
+
     from rich.text import Text
 
     from mismatch_probe.report import attribution
+    from mismatch_probe.report.integrity import integrity_text
     from mismatch_probe.report.sections import visible
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.report.trend import load_trend, render_table
 
     if entries and len(entries) > 1:
+        if ctx.integrity is not None:  # first, before every setting judged (spec section 8)
+            console.print(integrity_text(ctx.integrity), highlight=False)
+            ctx = replace(ctx, integrity=None)  # said once
         render_settings(entries, console)
         note = (
             f"The report below describes one setting, {ctx.label}; every setting is judged above."

@@ -280,17 +280,29 @@ def gate(cfg: CheckConfig) -> Gate:
     if not run_dir.is_dir():
         raise ProbeError(f"{run_dir} is not a run directory")
     checked = _integrity_gate(run_dir, cfg.step, cfg.accept)
+    # Usage errors stay errors (exit 2) whatever the integrity: an unknown --setting, a missing
+    # or incomparable baseline.
+    head_settings = select_settings(run_dir, cfg.settings)
+    differences: tuple[str, ...] = ()
+    if cfg.baseline is not None:
+        if not cfg.baseline.is_dir():
+            raise ProbeError(f"{cfg.baseline} is not a run directory")
+        head_run, base_run = (run_metadata(d) for d in (run_dir, cfg.baseline))
+        differences = check_comparable(head_run, base_run, cfg.allow_different)
     try:
-        bounds = _gate_bounds(cfg, select_settings(run_dir, cfg.settings))
-        return replace(bounds, integrity=checked.integrity, step=checked.step, accepted=cfg.accept)
+        bounds = _gate_bounds(cfg, head_settings, differences)
     except ProbeError:
         if checked.integrity_errors:  # e.g. NaN log-probs: no metrics, but the finding says why
             return checked
         raise
+    return replace(bounds, integrity=checked.integrity, step=checked.step, accepted=cfg.accept)
 
 
-def _gate_bounds(cfg: CheckConfig, head_settings: list[str | None]) -> Gate:
-    """The bounds (and growth over the baseline) of every setting gated."""
+def _gate_bounds(
+    cfg: CheckConfig, head_settings: list[str | None], differences: tuple[str, ...]
+) -> Gate:
+    """The bounds (and growth over the baseline: ``differences`` already checked) of every
+    setting gated."""
     run_dir = cfg.run_dir
     if cfg.baseline is None:
         checked = []
@@ -298,10 +310,6 @@ def _gate_bounds(cfg: CheckConfig, head_settings: list[str | None]) -> Gate:
             metrics = _step_metrics(run_dir, cfg.step) if cfg.step else _metrics(run_dir, setting)
             checked.append(SettingGate(setting, tuple(evaluate_bounds(cfg.bounds, metrics))))
         return Gate(tuple(checked))
-    if not cfg.baseline.is_dir():
-        raise ProbeError(f"{cfg.baseline} is not a run directory")
-    head_run, base_run = (run_metadata(d) for d in (run_dir, cfg.baseline))
-    differences = check_comparable(head_run, base_run, cfg.allow_different)
     pairs, notes = _baseline_pairs(head_settings, run_dir, cfg.baseline)
     return Gate(
         tuple(_gate_one(cfg, s, pairs.get(s, None), notes.get(s, "")) for s in head_settings),

@@ -248,7 +248,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         top = [("Every setting", every_setting_markdown(judged, ctx.label, "####"))]
         counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
-    head += decisions.recommendation_md(ctx.tables)
+    head += decisions.recommendation_md(ctx.tables, ctx.setting)
     parts = [
         ("Header", head),
         *top,

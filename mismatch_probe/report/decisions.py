@@ -66,10 +66,12 @@ def recommendation_text(ctx_tables: dict[str, Any]) -> str:
 # --- Markdown ----------------------------------------------------------------------------------
 
 
-def recommendation_md(tables: dict[str, Any]) -> list[str]:
-    """The one sentence at the top of a report, and the rule folded under it."""
+def recommendation_md(tables: dict[str, Any], setting: str | None = None) -> list[str]:
+    """The one sentence at the top of a report, and the rule folded under it; ``setting``
+    (a precision matrix's reference setting) says which setting it is for."""
+    head = "Recommendation" if setting is None else f"Recommendation for {escape(setting)}"
     return [
-        f"**Recommendation:** {escape(recommendation_text(tables))}",
+        f"**{head}:** {escape(recommendation_text(tables))}",
         "",
         f"<sub>How it is chosen: {escape(RULE)}</sub>",
         "",
@@ -203,8 +205,9 @@ def settings_recommendations_md(entries: Sequence[Any]) -> list[str]:
 # --- terminal ----------------------------------------------------------------------------------
 
 
-def recommendation_rich(tables: dict[str, Any]) -> Text:
-    text = Text("Recommendation: ", style="bold")
+def recommendation_rich(tables: dict[str, Any], setting: str | None = None) -> Text:
+    head = "Recommendation" if setting is None else f"Recommendation for {visible(setting)}"
+    text = Text(f"{head}: ", style="bold")
     text.append(visible(recommendation_text(tables)))
     return text
 

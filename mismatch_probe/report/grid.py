@@ -201,12 +201,16 @@ def matrix_markdown(judged: Sequence[Judged]) -> list[str]:
 
 
 def every_setting_markdown(
-    judged: Sequence[Judged], reference: str, level: str = "##"
+    judged: Sequence[Judged], reference: str, level: str = "##", of: int | None = None
 ) -> list[str]:
     """The top of a matrix run's report: the headline, the grid, the matrix table, and which
-    setting the sections below describe."""
+    setting the sections below describe; ``of``: the settings the run holds, when only some of
+    them are judged (``--setting``)."""
+    title = "Every setting judged"
+    if of is not None and of > len(judged):
+        title = f"The {len(judged)} settings chosen with --setting judged (of {of} in the run)"
     return [
-        f"{level} Every setting judged",
+        f"{level} {title}",
         "",
         f"**{escape(headline(judged))}**",
         "",

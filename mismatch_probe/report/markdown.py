@@ -133,7 +133,7 @@ def render_markdown(
         title,
         "",
         *integrity_markdown(ctx.integrity),
-        *decisions.recommendation_md(ctx.tables),
+        *decisions.recommendation_md(ctx.tables, ctx.setting),
         *(top or []),
         *settings_section(ctx),
         *verdict_section(evaluate(ctx.metrics)),

@@ -128,11 +128,12 @@ def render_settings(entries: list[Entry], console: Console) -> None:
     )
 
 
-def settings_top_markdown(entries: list[Entry], reference: str) -> list[str]:
-    """The top of a matrix run's report.md: every setting judged (``grid``)."""
+def settings_top_markdown(entries: list[Entry], reference: str, of: int | None = None) -> list[str]:
+    """The top of a matrix run's report.md: every setting judged (``grid``); ``of``: the
+    settings the run holds, when ``entries`` are only some of them."""
     from mismatch_probe.report.grid import every_setting_markdown
 
-    return every_setting_markdown(judged(entries), reference)
+    return every_setting_markdown(judged(entries), reference, of=of)
 
 
 def settings_markdown(entries: list[Entry], run_dir: Path) -> str:

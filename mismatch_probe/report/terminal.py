@@ -170,7 +170,7 @@ def report_renderables(ctx: RunContext) -> list[RenderableType]:
 
     tables = [metric_table(title, keys, ctx.metrics) for title, keys in metric_groups(ctx.metrics)]
     parts: list[RenderableType] = [integrity_text(ctx.integrity)] if ctx.integrity else []
-    parts += [header(ctx), decisions.recommendation_rich(ctx.tables)]
+    parts += [header(ctx), decisions.recommendation_rich(ctx.tables, ctx.setting)]
     parts += [Text(), verdict_table(evaluate(ctx.metrics))]
     parts += [Text(), Columns(tables)]
     presets = preset_table(ctx)
