@@ -146,13 +146,20 @@ class PlainProgress:
         _print_line(self._console, line)
 
 
+# Phases whose start says nothing new: an engine's own "gen <setting>" line follows its start at
+# once (and an engine that fails to start ends in one error line, nothing before it).
+SILENT_PHASES = frozenset({"engine_start", "engine_stop"})
+
+
 def phase_lines(console: Any) -> Callable[[str], None] | None:
     """Where nobody watches a terminal, one plain line as each phase of a scan starts
-    (``engine_start: started``, ``model_load: started``: the phases without a progress task of
-    their own); None on a terminal, where the bars show what runs."""
+    (``model_load: started``, ``reports: started``: the phases without a progress task of their
+    own, ``SILENT_PHASES`` aside); None on a terminal, where the bars show what runs."""
     if console.is_terminal:
         return None
-    return lambda phase: _print_line(console, f"{phase}: started")
+    return lambda phase: (
+        None if phase in SILENT_PHASES else _print_line(console, f"{phase}: started")
+    )
 
 
 def _print_line(console: Any, line: str) -> None:

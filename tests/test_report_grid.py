@@ -123,7 +123,8 @@ def test_report_judges_every_setting_at_the_top(
 ) -> None:
     code, out, _ = run_probe(["report", str(matrix)], monkeypatch, capsys)
     assert code == 0
-    assert out.splitlines()[0] == f"1 of 3 settings fail a check: {FP8}."
+    assert out.splitlines()[0].startswith("✔ Data integrity: clean")  # integrity first
+    assert out.splitlines()[1] == f"1 of 3 settings fail a check: {FP8}."
     text = (matrix / "report.md").read_text()
     heads = [line for line in text.splitlines() if line.startswith("## ")]
     assert heads[:3] == [

@@ -309,7 +309,7 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
     assert score[0].endswith(" tokens") and ": started, " in score[0]
     assert ": done, " in score[-1] and "tokens/s)" in score[-1]
     phases = [line for line in proc.stderr.splitlines() if line.endswith(": started")]
-    assert {"engine_start: started", "model_load: started", "reports: started"} <= set(phases)
+    assert {"model_load: started", "metrics: started", "reports: started"} <= set(phases)
     assert "k3_kl" in proc.stdout and str(out / "tokens.parquet") in proc.stdout
 
     tokens = pq.read_table(out / store.TOKENS_FILE)
