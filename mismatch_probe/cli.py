@@ -168,6 +168,8 @@ def metrics_command(
         print(json.dumps(data, allow_nan=False))
     else:
         _stdout_console().print(integrity_text(integrity, number))
+        if setting is not None:  # the checks run over the whole store, not one setting
+            _stdout_console().print("(data integrity of the whole store, every setting)")
         render_metrics(result, _stdout_console())
 
 

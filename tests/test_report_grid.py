@@ -152,7 +152,10 @@ def test_report_setting_limits_the_report(
     assert code == 0
     assert "**Verdicts of rollout=bf16 \\| train=fp32:**" in out  # the first chosen, scan order
     assert "**1 of 2 settings fail a check: rollout=bf16,kv=fp8 \\| train=fp32.**" in out
-    assert out.index("#### Every setting judged") < out.index("#### Verdicts")
+    # a selection is titled as one, never as every setting
+    chosen = "#### The 2 settings chosen with --setting judged (of 3 in the run)"
+    assert chosen in out and "Every setting judged" not in out
+    assert out.index(chosen) < out.index("#### Verdicts")
     assert "rollout=fp32" not in out
     # metrics.json keeps describing the scan's first setting
     assert "k3_kl" in (matrix / "metrics.json").read_text()

@@ -113,3 +113,24 @@ def test_bad_prompt_ids_fail_before_any_engine(
     code, _, err = run_probe([*args, "--out", str(tmp_path / "out")], monkeypatch, capsys)
     assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "out" / store.TOKENS_FILE).exists()
+
+
+def test_the_command_keeps_a_hub_id_and_batch_invariance(tmp_path: Path) -> None:
+    """A model read from the Hugging Face cache is re-scanned by its hub id (its snapshot path is
+    this machine's cache), and a batch-invariant run asks for batch invariance again."""
+    from mismatch_probe.pipeline.config import ScanConfig
+    from mismatch_probe.report.rescan import rescan_command
+
+    config = ScanConfig(rollout_dtypes=("float32",), batch_invariant=True).to_dict()
+    run = {
+        "config": config,
+        "setting": config["settings"][0],
+        "settings": config["settings"],
+        "model": {"hub_id": "Org/Tiny", "revision": "abc123"},
+        "sampling": {},
+    }
+    command = rescan_command(run, {"prompt_id": 3, "sample_id": 0}, tmp_path)
+    assert command is not None
+    assert "--model Org/Tiny@abc123" in command and "--prompt-id 3" in command
+    assert "--vllm-arg VLLM_BATCH_INVARIANT=1" in command
+    assert command.count("--model") == 1

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from mismatch_probe.report import turns
 from mismatch_probe.report.compare import Comparison, Entry
-from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.report.context import RunContext, WorstToken, setting_names
 from mismatch_probe.report.integrity import integrity_markdown, runs_markdown
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
@@ -245,7 +245,8 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         from mismatch_probe.report.grid import every_setting_markdown, judge
 
         judged = judge([(e.label, e.metrics) for e in entries])
-        top = [("Every setting", every_setting_markdown(judged, ctx.label, "####"))]
+        held = len(setting_names(ctx.run_dir, ctx.run.get("settings")))  # a --setting choice?
+        top = [("Every setting", every_setting_markdown(judged, ctx.label, "####", of=held))]
         counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
     head += decisions.recommendation_md(ctx.tables, ctx.setting)

@@ -103,7 +103,14 @@ def rescan_command(
     words += ["--samples-per-prompt", str((sample_id or 0) + 1)]
     words += _setting_args(setting) + _sampling_args(run.get("sampling", {}))
     words += _config_args(config, run.get("prompts", {}).get("chat", config.get("chat")))
-    paths = [(f"--{key}", config.get(key)) for key in ("model", "prompts")]
+    if config.get("batch_invariant"):  # an environment variable of the engine, not an option
+        words += ["--vllm-arg", "VLLM_BATCH_INVARIANT=1"]
+    model = run.get("model", {})
+    hub = model.get("hub_id")  # a hub id stays one (its path is this machine's cache)
+    if hub:
+        words += ["--model", f"{hub}@{model['revision']}" if model.get("revision") else hub]
+    keys = ("prompts",) if hub else ("model", "prompts")
+    paths = [(f"--{key}", config.get(key)) for key in keys]
     quoted = [shlex.quote(w) for w in words]
     quoted += [f"{flag} {portable_path(p, cwd)}" for flag, p in paths if p]
     return " ".join(quoted)
