@@ -373,9 +373,7 @@ def writable_dir(path: Path, what: str) -> Path:
         raise ProbeError(f"{what}: {path} is a file, not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = _tmp_path(path / ".write-check")
-        probe.write_bytes(b"")
-        probe.unlink()
+        _write_probe(path)
     except OSError as exc:
         raise ProbeError(f"{what}: cannot write to {path} ({os_error_reason(exc)})") from None
     return path
@@ -397,12 +395,17 @@ def check_writable(path: Path, what: str) -> Path:
     try:
         if not existing.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
-        probe = _tmp_path(existing / ".write-check")
-        probe.write_bytes(b"")
-        probe.unlink()
+        _write_probe(existing)
     except OSError as exc:
         raise ProbeError(f"{what}: cannot write to {path} ({os_error_reason(exc)})") from None
     return path
+
+
+def _write_probe(directory: Path) -> None:
+    """Prove ``directory`` writable: write and remove an empty probe file (OSError if not)."""
+    probe = _tmp_path(directory / ".write-check")
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def os_error_reason(exc: OSError) -> str:
