@@ -135,14 +135,31 @@ def engine_kwargs(
     }
 
 
+def cpu_fp8_kv_cache_supported() -> bool:
+    """Whether vLLM's CPU attention can hold an fp8 KV cache here: on x86 it needs AVX-512 or
+    AMX (``vllm/v1/attention/backends/cpu_attn.py``); an AVX2-only CPU cannot."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def check_supported(setting: RolloutSetting) -> None:
     """Refuse, before a 25-second start, what this backend is known not to run."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu() and setting.quantization == "fp8":
+    if not current_platform.is_cpu():
+        return
+    kv_fp8 = cpu_fp8_kv_cache_supported()
+    if setting.quantization == "fp8":
+        instead = "; use --kv-cache-dtype fp8 for an fp8 KV cache instead" if kv_fp8 else ""
         raise EngineStartError(
             "fp8 weight quantization is not supported by the vLLM CPU backend (its FP8 GEMM "
-            "kernels need a GPU); use --kv-cache-dtype fp8 for an fp8 KV cache instead"
+            f"kernels need a GPU){instead}"
+        )
+    if setting.kv_cache_dtype.startswith("fp8") and not kv_fp8:
+        raise EngineStartError(
+            "an fp8 KV cache needs AVX-512 or AMX on the vLLM CPU backend, and this CPU has "
+            "neither (AVX2 only); it runs on GPUs and on AVX-512 CPUs"
         )
 
 
