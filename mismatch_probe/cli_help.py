@@ -1,9 +1,9 @@
 """What ``probe --help`` shows besides the options: the commands in the order a user needs
 them, ``--version``, and an "Examples" epilog per command.
 
-The examples are real command lines of the README (``tests/test_docs.py`` checks that each one
-appears there and parses), so the help and the README cannot drift apart. No heavy import here:
-``probe --help`` answers at once.
+The examples are real command lines of the docs (``tests/test_docs.py`` checks that each one is
+a command line of a page and parses), so the help and the docs cannot drift apart. No heavy
+import here: ``probe --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mismatch_probe.options import PANELS
 # them. A command missing here is listed after these, in the order it was added.
 COMMAND_ORDER = ("scan", "report", "check", "compare", "metrics", "ingest", "models")
 
-# Command path -> example command lines (each also in README.md).
+# Command path -> example command lines (each also a command line of a docs page).
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "scan": (
         "probe scan",
@@ -36,7 +36,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "probe report reports/demo --format pr-comment",
     ),
     "check": (
-        "probe check reports/demo --max k3_kl=1e-3 --max chi2_token=0.05 --min prob_pearson=0.99",
+        "probe check reports/demo --max k3_kl=1e-2 --max chi2_token=0.05 --min prob_pearson=0.99",
         "probe check runs/head --baseline runs/base --max-increase k3_kl=1.5x "
         "--max-increase f_tau_2=+0.001",
         "probe check reports/prime-run --max chi2_token=1 --step last",

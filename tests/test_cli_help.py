@@ -1,6 +1,6 @@
 """First contact with ``probe``: ``--version``, a bare ``probe``, the help's panels, metavars,
-choices and examples (``tests/test_docs.py`` checks that the examples parse and are in the
-README)."""
+choices and examples (``tests/test_docs.py`` checks that the examples parse and are command lines
+of the docs)."""
 
 from __future__ import annotations
 

@@ -98,8 +98,9 @@ class TrlRun:
 
 
 def readme_block(marker: str) -> str:
-    """The README's ```python block holding ``marker``."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The ```python block of the hooks' docs page (docs/ingest.md, once the README's) holding
+    ``marker``."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ingest.md").read_text()
     return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b)
 
 

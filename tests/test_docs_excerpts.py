@@ -1,0 +1,223 @@
+"""The excerpts of real runs in the docs match what the tool prints today.
+
+An excerpt is a ```text block after an ``<!-- excerpt: NAME ... -->`` comment: a ``$`` command
+line, then lines of its output, with ``...`` where lines are cut. Numbers differ between machines
+(and a test run is smaller than the documented one), so this compares structure, not digits:
+each excerpt's scan runs again here, smaller, on the same model, and each stretch of the excerpt
+between two ``...`` must be a stretch of the fresh output, line for line, once both are
+normalised: numbers, setting names, verdicts and the run directory become placeholders, the
+sentences that say what the numbers mean (the recommendation, the matrix headline) become one
+placeholder each, a line's words are compared in any order (a grid puts its failing checks
+first), and the lines that depend on the CPU or the data (a setting skipped for want of
+AVX-512, the first re-render difference) are left out. A line the tool no longer prints, or a
+new line inside an excerpt's stretch, fails.
+
+The same runs check three more claims of the docs: the example report (docs/report-example.md)
+has the sections and table headers of a fresh ``report.md``; every key of ``metrics.json`` has a
+row in the metric names table; and the first example of ``probe check --help`` passes on the
+demo scan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mismatch_probe.cli_help import EXAMPLES
+from mismatch_probe.metrics.names import STRUCTURED, lookup
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = str(Path(sys.executable).with_name("probe"))
+EXCERPT = re.compile(r"<!-- excerpt: ([\w-]+)[^>]*-->\n```text\n(.*?)^```", re.S | re.M)
+FRESH = "fresh-run"  # the --out of every run here (relative to its working directory)
+WIDE = "1000"  # COLUMNS of the fresh runs: no line wraps, so a line is a line
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+
+
+@dataclass(frozen=True)
+class Run:
+    """How to re-run an excerpt's scan, smaller: ``args`` after ``probe scan``, and the run
+    directory the excerpt shows (replaced like the fresh one)."""
+
+    args: tuple[str, ...]
+    shown_out: str
+    moe: bool = False
+
+
+RUNS = {
+    "demo": Run(("--num-prompts", "3", "--max-tokens", "24"), "reports/demo"),
+    "matrix": Run(
+        ("--num-prompts", "2", "--max-tokens", "16", "--rollout-dtype", "bfloat16,float32"),
+        "reports/demo-precision",
+    ),
+    "moe": Run(
+        (
+            *("--num-prompts", "2", "--samples-per-prompt", "2", "--max-tokens", "16"),
+            *("--rollout-dtype", "bfloat16", "--routing-replay", "none,rollout"),
+        ),
+        "reports/moe",
+        moe=True,
+    ),
+    "agentic": Run(
+        (
+            "--prompts",
+            str(ROOT / "prompts" / "agentic.jsonl"),
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "12",
+        ),
+        "reports/agentic",
+    ),
+}
+
+SETTING = re.compile(r"rollout=[\w.,=]+ \| train=[\w.,=]+")
+NUMBER = re.compile(r"(?<![\w.])[-+−]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?%?(?!\w)")
+VERDICT = re.compile(r"[✔✘·] (?:PASS|FAIL(?: #/#)?|n/a)")
+# Sentences whose words follow the data: one placeholder each.
+SENTENCES = (
+    (re.compile(r"^Recommendation(?: for <setting>)?: .*"), "<recommendation>"),
+    (
+        re.compile(r"^(?:All # settings pass every check\.|# of # settings fail a check: .*)$"),
+        "<h>",
+    ),
+)
+# Lines that depend on the CPU or on the data: not compared.
+OPTIONAL = re.compile(r"^(?:skipped <setting>|skipped rollout=|first difference: )")
+
+
+def shape(line: str, out: str) -> tuple[str, ...] | None:
+    """The structure of one output line (its words, sorted), or None for a line not compared."""
+    text = line.strip().replace(out, "<out>")
+    if not text or OPTIONAL.match(text):
+        return None
+    text = SETTING.sub("<setting>", text)
+    text = VERDICT.sub("<verdict>", NUMBER.sub("#", text))
+    text = re.sub(r"[✔✘]", "<mark>", text)
+    for pattern, placeholder in SENTENCES:
+        text = pattern.sub(placeholder, text)
+    return tuple(sorted(text.split()))
+
+
+def shapes(lines: list[str], out: str) -> list[tuple[str, ...]]:
+    """The compared lines' shapes, runs of equal shapes (table rows) kept once."""
+    found: list[tuple[str, ...]] = []
+    for line in lines:
+        s = shape(line, out)
+        if s is not None and (not found or found[-1] != s):
+            found.append(s)
+    return found
+
+
+def excerpts() -> dict[str, str]:
+    found = {name: body for page in PAGES for name, body in EXCERPT.findall(page.read_text())}
+    return found
+
+
+def stretches(body: str) -> list[list[str]]:
+    """The excerpt's output (its ``$`` command and continuation lines dropped), cut at ``...``."""
+    lines = body.splitlines()
+    while lines and (lines[0].startswith("$ ") or lines[0].startswith("    ")):
+        lines.pop(0)
+    parts: list[list[str]] = [[]]
+    for line in lines:
+        if line.strip() == "...":
+            parts.append([])
+        else:
+            parts[-1].append(line)
+    return [p for p in parts if any(line.strip() for line in p)]
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """Each excerpt's scan, run now: ``name -> (run directory, stdout)``."""
+    env = {**os.environ, "COLUMNS": WIDE}
+    results = {}
+    for name, run in RUNS.items():
+        cwd = tmp_path_factory.mktemp(name)
+        args = list(run.args)
+        if run.moe:
+            model = cwd / "tiny-moe"
+            tiny = [PROBE, "models", "tiny", str(model), "--arch", "qwen3_moe"]
+            subprocess.run(tiny, check=True, capture_output=True, cwd=cwd, env=env)
+            args = ["--model", str(model), *args]
+        cmd = [PROBE, "scan", *args, "--out", FRESH]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=1800)
+        assert out.returncode == 0, f"{shlex.join(cmd)}:\n{out.stderr[-3000:]}"
+        results[name] = (cwd / FRESH, out.stdout)
+    return results
+
+
+def test_every_excerpt_has_a_run() -> None:
+    assert set(excerpts()) == set(RUNS)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_excerpt_matches_a_fresh_run(name: str, fresh: dict[str, tuple[Path, str]]) -> None:
+    ours = shapes(fresh[name][1].splitlines(), FRESH)
+    for stretch in stretches(excerpts()[name]):
+        want = shapes(stretch, RUNS[name].shown_out)
+        n = len(want)
+        found = any(ours[i : i + n] == want for i in range(len(ours) - n + 1))
+        shown, got = ("\n".join(" ".join(s) for s in lines) for lines in (want, ours))
+        assert found, (
+            f"excerpt {name!r}: no stretch of the fresh run is\n{shown}\n--- fresh:\n{got}"
+        )
+
+
+def test_normalising_keeps_what_a_reader_sees() -> None:
+    """The normalisation forgets numbers and word order, not words: a renamed column or a
+    missing verdict still differs."""
+    a = shape("rollout=bf16 | train=fp32  ✔ PASS     4883  0.001333", "x")
+    assert a == shape("rollout=fp32 | train=fp32  ✘ FAIL 2/8  12  -3e-05", "x")
+    assert a != shape("rollout=bf16 | train=fp32  4883  0.001333", "x")
+    assert shape("setting verdict tokens k3_kl", "x") != shape("setting verdict tokens kl", "x")
+    assert shape("skipped rollout=bf16,kv=fp8: an fp8 KV cache needs AVX-512", "x") is None
+
+
+def headings_and_tables(text: str) -> tuple[list[str], list[str]]:
+    """A Markdown report's headings and table header rows, in order."""
+    lines = text.splitlines()
+    headings = [line for line in lines if line.startswith("#")]
+    headers = [
+        line
+        for line, below in itertools.pairwise(lines)
+        if line.startswith("|") and re.match(r"^\| ?[-:]", below)
+    ]
+    return headings, headers
+
+
+def test_the_example_report_has_the_sections_of_a_fresh_one(
+    fresh: dict[str, tuple[Path, str]],
+) -> None:
+    example = (ROOT / "docs" / "report-example.md").read_text()
+    report = (fresh["demo"][0] / "report.md").read_text()
+    assert headings_and_tables(example) == headings_and_tables(report)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_key_of_metrics_json_has_a_row(name: str, fresh: dict[str, tuple[Path, str]]) -> None:
+    data = json.loads((fresh[name][0] / "metrics.json").read_text())
+    unnamed = [k for k in data if k not in STRUCTURED and lookup(k) is None]
+    assert unnamed == [], "metrics.json keys without a row in mismatch_probe/metrics/names.py"
+
+
+def test_the_first_check_example_passes_on_the_demo_scan(
+    fresh: dict[str, tuple[Path, str]],
+) -> None:
+    """``probe check --help`` shows it first: on the demo scan it must pass (exit 0)."""
+    example = EXAMPLES["check"][0]
+    argv = shlex.split(example.replace("reports/demo", str(fresh["demo"][0])))
+    out = subprocess.run([PROBE, *argv[1:]], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
