@@ -72,9 +72,9 @@ bench: install
 	$(BIN)/python -m tests.bench
 
 lint: install
-	$(BIN)/ruff check mismatch_probe tests
-	$(BIN)/ruff format --check mismatch_probe tests
-	$(BIN)/mypy mismatch_probe
+	$(BIN)/ruff check mismatch_probe tests docs
+	$(BIN)/ruff format --check mismatch_probe tests docs
+	$(BIN)/mypy mismatch_probe docs/gen.py docs/hooks.py
 
 # The pages holding generated parts (between cog markers; docs/gen.py writes them).
 DOCS_GEN = $(shell grep -l '\[\[\[cog' docs/*.md)

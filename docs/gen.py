@@ -27,10 +27,11 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-WIDTH = 100  # the terminal width the CLI reference is rendered at
+WIDTH = 80  # the terminal width the CLI reference is rendered at (fits the page)
 
 
 def _out(text: str) -> None:
@@ -51,7 +52,7 @@ def _cell(text: str) -> str:
     return "`".join(parts)
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
@@ -109,16 +110,16 @@ def metrics_reference() -> None:
     _out("\n### Sources\n\n")
     _out(_table(("source", "what it means"), [(f"`{k}`", v) for k, v in names.SOURCES.items()]))
     _out("\n### Placeholders\n\nA name with a placeholder stands for one key per value:\n\n")
-    rows = [(f"`{p}`", ", ".join(f"`{v}`" for v in vs)) for p, vs in names.PLACEHOLDERS.items()]
-    _out(_table(("placeholder", "values"), rows))
+    values = [(f"`{p}`", ", ".join(f"`{v}`" for v in vs)) for p, vs in names.PLACEHOLDERS.items()]
+    _out(_table(("placeholder", "values"), values))
     for group in names.GROUPS:
         members = [n for n in names.NAMES if n.group == group]
         _out(f"\n### {group}\n\n")
         rows = [(f"`{n.pattern}`", n.definition, n.source, n.when or "always") for n in members]
         _out(_table(("name", "definition", "source", "present when"), rows))
     _out("\n### Records and lists\n\n")
-    rows = [(f"`{k}`", v) for k, v in names.STRUCTURED.items()]
-    _out(_table(("key", "what it holds"), rows))
+    records = [(f"`{k}`", v) for k, v in names.STRUCTURED.items()]
+    _out(_table(("key", "what it holds"), records))
 
 
 def presets() -> None:
