@@ -272,3 +272,27 @@ def test_tables_are_whole(path: Path) -> None:
 def test_the_readme_is_short_and_keeps_the_two_commands() -> None:
     assert len(README.encode()) <= README_LIMIT, f"README.md is {len(README.encode())} bytes"
     assert "make demo" in README and "make test" in README
+
+
+CHOICE_OPTIONS = [
+    (opt, tuple(param.metavar[1:-1].split("|")))
+    for _, cmd in COMMANDS
+    for param in cmd.params
+    if param.param_type_name == "option" and re.fullmatch(r"\[[\w,|-]+\]", param.metavar or "")
+    for opt in param.opts
+    if opt.startswith("--")
+]
+
+
+@pytest.mark.parametrize(("option", "choices"), sorted(set(CHOICE_OPTIONS)))
+def test_a_documented_option_lists_every_choice(option: str, choices: tuple[str, ...]) -> None:
+    """A table row that explains an option with a fixed set of values names every value (an
+    earlier README's ``--rollout-is`` row left out ``none``)."""
+    rows = [
+        line
+        for line in PROSE.splitlines()
+        if line.startswith("|") and re.match(rf"^\| `{re.escape(option)}[ `]", line)
+    ]
+    for row in rows:
+        missing = [c for c in choices if f"`{c}`" not in row and f"`{option} {c}`" not in row]
+        assert missing == [], f"{row[:80]}...: no {missing}"

@@ -105,6 +105,7 @@ def shape(line: str, out: str) -> tuple[str, ...] | None:
     text = SETTING.sub("<setting>", text)
     text = VERDICT.sub("<verdict>", NUMBER.sub("#", text))
     text = re.sub(r"[✔✘]", "<mark>", text)
+    text = re.sub(r"[─━═]+", "─", text)  # a rule is as wide as its table
     for pattern, placeholder in SENTENCES:
         text = pattern.sub(placeholder, text)
     return tuple(sorted(text.split()))
@@ -139,13 +140,22 @@ def stretches(body: str) -> list[list[str]]:
     return [p for p in parts if any(line.strip() for line in p)]
 
 
-@pytest.fixture(scope="module")
-def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
-    """Each excerpt's scan, run now: ``name -> (run directory, stdout)``."""
-    env = {**os.environ, "COLUMNS": WIDE}
-    results = {}
-    for name, run in RUNS.items():
-        cwd = tmp_path_factory.mktemp(name)
+class Fresh:
+    """Each excerpt's scan, run when a test first asks for it: ``fresh[name]`` is
+    ``(run directory, stdout)``."""
+
+    def __init__(self, root: pytest.TempPathFactory) -> None:
+        self.root = root
+        self.runs: dict[str, tuple[Path, str]] = {}
+
+    def __getitem__(self, name: str) -> tuple[Path, str]:
+        if name not in self.runs:
+            self.runs[name] = self._scan(name, RUNS[name])
+        return self.runs[name]
+
+    def _scan(self, name: str, run: Run) -> tuple[Path, str]:
+        env = {**os.environ, "COLUMNS": WIDE}
+        cwd = self.root.mktemp(name)
         args = list(run.args)
         if run.moe:
             model = cwd / "tiny-moe"
@@ -155,8 +165,12 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str
         cmd = [PROBE, "scan", *args, "--out", FRESH]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=1800)
         assert out.returncode == 0, f"{shlex.join(cmd)}:\n{out.stderr[-3000:]}"
-        results[name] = (cwd / FRESH, out.stdout)
-    return results
+        return cwd / FRESH, out.stdout
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Fresh:
+    return Fresh(tmp_path_factory)
 
 
 def test_every_excerpt_has_a_run() -> None:
@@ -164,7 +178,7 @@ def test_every_excerpt_has_a_run() -> None:
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_excerpt_matches_a_fresh_run(name: str, fresh: dict[str, tuple[Path, str]]) -> None:
+def test_excerpt_matches_a_fresh_run(name: str, fresh: Fresh) -> None:
     ours = shapes(fresh[name][1].splitlines(), FRESH)
     for stretch in stretches(excerpts()[name]):
         want = shapes(stretch, RUNS[name].shown_out)
@@ -184,6 +198,7 @@ def test_normalising_keeps_what_a_reader_sees() -> None:
     assert a != shape("rollout=bf16 | train=fp32  4883  0.001333", "x")
     assert shape("setting verdict tokens k3_kl", "x") != shape("setting verdict tokens kl", "x")
     assert shape("skipped rollout=bf16,kv=fp8: an fp8 KV cache needs AVX-512", "x") is None
+    assert shape(" ─────────", "x") == shape(" ───", "x")
 
 
 def headings_and_tables(text: str) -> tuple[list[str], list[str]]:
@@ -199,7 +214,7 @@ def headings_and_tables(text: str) -> tuple[list[str], list[str]]:
 
 
 def test_the_example_report_has_the_sections_of_a_fresh_one(
-    fresh: dict[str, tuple[Path, str]],
+    fresh: Fresh,
 ) -> None:
     example = (ROOT / "docs" / "report-example.md").read_text()
     report = (fresh["demo"][0] / "report.md").read_text()
@@ -207,14 +222,14 @@ def test_the_example_report_has_the_sections_of_a_fresh_one(
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_every_key_of_metrics_json_has_a_row(name: str, fresh: dict[str, tuple[Path, str]]) -> None:
+def test_every_key_of_metrics_json_has_a_row(name: str, fresh: Fresh) -> None:
     data = json.loads((fresh[name][0] / "metrics.json").read_text())
     unnamed = [k for k in data if k not in STRUCTURED and lookup(k) is None]
     assert unnamed == [], "metrics.json keys without a row in mismatch_probe/metrics/names.py"
 
 
 def test_the_first_check_example_passes_on_the_demo_scan(
-    fresh: dict[str, tuple[Path, str]],
+    fresh: Fresh,
 ) -> None:
     """``probe check --help`` shows it first: on the demo scan it must pass (exit 0)."""
     example = EXAMPLES["check"][0]
