@@ -267,7 +267,7 @@ def report(
     """
     from mismatch_probe.report import render, write_outputs
     from mismatch_probe.report.comment import check_format, run_comment
-    from mismatch_probe.rundir.loader import load_report
+    from mismatch_probe.rundir import load_report
 
     check_format(fmt)
     ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))

@@ -112,7 +112,7 @@ def test_the_engine_and_training_sides_stay_apart() -> None:
 
 
 def _module_name(path: Path) -> str:
-    """``report/trend.py`` -> ``mismatch_probe.rundir.trend``; a package's ``__init__`` -> it."""
+    """``report/plots.py`` -> ``mismatch_probe.report.plots``; a package's ``__init__`` -> it."""
     parts = ("mismatch_probe", *path.relative_to(PACKAGE).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
