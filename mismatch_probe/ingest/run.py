@@ -87,8 +87,9 @@ def _ingest_into(
 ) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any]:
     from mismatch_probe.metrics import compute_metrics
     from mismatch_probe.metrics.steps import compute_step_metrics
-    from mismatch_probe.report import load_report, write_outputs
-    from mismatch_probe.report.trend import write_steps
+    from mismatch_probe.report import write_outputs
+    from mismatch_probe.rundir.loader import load_report
+    from mismatch_probe.rundir.trend import write_steps
 
     with interrupt.stage("reading"):
         off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
@@ -154,7 +155,7 @@ def run_metadata(
     cfg: IngestConfig, fmt: Format, off_policy: dict[str, Any], model_dir: Path | None
 ) -> dict[str, Any]:
     """``run.json`` of an ingested run (``counts`` added once the store is written)."""
-    from mismatch_probe.pipeline.runinfo import library_versions
+    from mismatch_probe.hardware import library_versions
 
     train = fmt.train_field or f"rescored with --model ({cfg.train_dtype}, T={cfg.temperature:g})"
     run: dict[str, Any] = {
