@@ -133,7 +133,7 @@ def presets() -> None:
 
 def health_checks() -> None:
     """The verdicts: metric, healthy range, label, source, and where each threshold comes from."""
-    from mismatch_probe.report.verdicts import HEALTH_CHECKS, SOURCES
+    from mismatch_probe.metrics.verdicts import HEALTH_CHECKS, SOURCES
 
     rows = [(c.label, f"`{c.metric}`", c.threshold, c.source) for c in HEALTH_CHECKS]
     _out(_table(("check", "metric", "healthy when", "source"), rows))
