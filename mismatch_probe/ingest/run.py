@@ -23,8 +23,9 @@ from typing import Any
 
 from mismatch_probe import interrupt, store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.formats import Format, get_format
-from mismatch_probe.ingest.records import IngestConfig, SeqRecord
+from mismatch_probe.ingest.records import IngestConfig
 from mismatch_probe.ingest.writer import Counts, RunStoreWriter
 
 
@@ -92,13 +93,13 @@ def _ingest_into(
 
     with interrupt.stage("reading"):
         off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
-    model_dir, tokenizer, records = _sources(cfg, fmt)
+    model_dir, tokenizer, batches = _sources(cfg, fmt)
     run = run_metadata(cfg, fmt, off_policy, model_dir)
     writer = RunStoreWriter(tmp, run, tokenizer)
     with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
         try:
-            for record in records:
-                writer.add(record)
+            for batch in batches:
+                writer.add_batch(batch)
         finally:
             counts = writer.close()
     if counts.tokens == 0:
@@ -117,12 +118,11 @@ def _ingest_into(
     return run, metrics.flat(), steps, ctx
 
 
-def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqRecord]]:
-    """The model directory and tokenizer (with ``--model``) and the record stream, rescored
-    when the format has no training side."""
-    records = fmt.read(cfg)
+def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqBatch]]:
+    """The model directory and tokenizer (with ``--model``) and the responses in batches,
+    rescored when the format has no training side."""
     if cfg.model is None:
-        return None, None, records
+        return None, None, fmt.read_batches(cfg)
     from mismatch_probe import models
     from mismatch_probe.ingest.rescoring import rescored
     from mismatch_probe.sampling import SamplingSpec
@@ -134,8 +134,9 @@ def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator
         model = rescore.load_model(model_dir, cfg.train_dtype) if fmt.needs_model else None
     if model is not None:
         spec = SamplingSpec(temperature=cfg.temperature)
-        records = rescored(records, model, spec, cfg.train_dtype, cfg.batch_tokens)
-    return model_dir, tokenizer, records
+        records = rescored(fmt.read(cfg), model, spec, cfg.train_dtype, cfg.batch_tokens)
+        return model_dir, tokenizer, from_records(records)
+    return model_dir, tokenizer, fmt.read_batches(cfg)
 
 
 def _tokenizer(model_dir: Path) -> Any:
