@@ -14,10 +14,7 @@ ahead (memory: a few files, whatever the number of steps).
 
 from __future__ import annotations
 
-import os
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,16 +22,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.json as pj
 
+from mismatch_probe.parallel import ordered_map
+
 T = TypeVar("T")
 MIN_BLOCK = 1 << 20
-
-
-def workers() -> int:
-    """The cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def read_table(
@@ -126,26 +117,6 @@ def group_keys(table: pa.Table, name: str, rows: int) -> list[str | None] | None
     return None
 
 
-def prefetched(
-    items: Iterable[tuple[int, Path]], fn: Callable[[Path, int], T], ahead: int | None = None
-) -> Iterator[T]:
-    """``fn(file, step)`` of each item, in order, computed on ``workers()`` threads at most
-    ``ahead`` (default: twice the workers) items ahead of the consumer."""
-    todo = iter(items)
-    width = workers()
-    if width == 1:
-        yield from (fn(file, step) for step, file in todo)
-        return
-    window: deque[Future[T]] = deque()
-    pool = ThreadPoolExecutor(max_workers=width, thread_name_prefix="ingest-read")
-    try:
-        for step, file in todo:
-            window.append(pool.submit(fn, file, step))
-            if len(window) >= (ahead or 2 * width):
-                yield window.popleft().result()
-        while window:
-            yield window.popleft().result()
-    finally:
-        for future in window:
-            future.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)
+def prefetched(items: Iterable[tuple[int, Path]], fn: Callable[[Path, int], T]) -> Iterator[T]:
+    """``fn(file, step)`` of each item, in order, on every core (``parallel.ordered_map``)."""
+    return ordered_map(lambda item: fn(item[1], item[0]), items)
