@@ -72,9 +72,7 @@ class _RichTqdm:
         self._progress.refresh()
 
 
-def vllm_progress(
-    progress: Progress, description: str, total: int, unit: str = "responses"
-) -> Any:
+def vllm_progress(progress: Progress, description: str, total: int, unit: str = "responses") -> Any:
     """A ``use_tqdm`` callable for vLLM (and the multi-turn request loop: one ``unit`` per
     finished turn) that reports into ``progress``."""
 

@@ -254,3 +254,23 @@ def test_prime_rl_takes_the_fast_path_on_an_ordinary_export(tmp_path: Path) -> N
     blank = tmp_path / "blank.jsonl"
     blank.write_text(file.read_text() + "\n")  # a blank line: the reference reader decides
     assert jsonl.read_table(blank, prime_rl._SCHEMA, prime_rl._OPTIONAL) is None
+
+
+def test_one_pass_gives_each_steps_metrics_and_the_integrity_bit_for_bit(tmp_path: Path) -> None:
+    """``ingest.run.measure``: the run's metrics, each step's (steps spanning several row
+    groups, batches carrying a sequence across a step's end) and the integrity findings, equal
+    to one ``compute_metrics`` per step and ``compute_integrity`` reading the store itself."""
+    from mismatch_probe.ingest.run import measure
+    from mismatch_probe.metrics import compute_metrics
+
+    data = _big_steps([1, 2, 3, 5], seqs=70, length=2500, seed=6)
+    new, _, _, _ = _stores("prime-rl", write_prime_rl(tmp_path / "src", data), tmp_path)
+    tokens = new / store.TOKENS_FILE
+    run = {**RUN, "mask_rules": []}
+    whole, steps, integrity = measure(tokens, run)
+    exact = lambda r: json.dumps(r.to_json_dict(), sort_keys=True, default=str)  # noqa: E731
+    assert exact(whole) == exact(compute_metrics(tokens))
+    assert sorted(steps) == [1, 2, 3, 5]
+    for step, result in steps.items():
+        assert exact(result) == exact(compute_metrics(tokens, step=step)), step
+    assert integrity == compute_integrity(tokens, run)

@@ -15,6 +15,8 @@ section. ``probe metrics/report/compare/check`` read it like a scan.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -86,8 +88,6 @@ def _named_as(tmp: Path, out: Path) -> Iterator[None]:
 def _ingest_into(
     tmp: Path, cfg: IngestConfig, fmt: Format
 ) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any]:
-    from mismatch_probe.metrics import compute_metrics
-    from mismatch_probe.metrics.steps import compute_step_metrics
     from mismatch_probe.report import load_report, write_outputs
     from mismatch_probe.report.trend import write_steps
 
@@ -108,14 +108,45 @@ def _ingest_into(
     run["mask_rules"] = counts.mask_rules()
     store.write_json(tmp / store.RUN_FILE, run)
     with interrupt.stage("metrics"):
-        metrics = compute_metrics(tmp / store.TOKENS_FILE)
+        metrics, by_step, integrity = measure(tmp / store.TOKENS_FILE, run)
         store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
-        steps = compute_step_metrics(tmp / store.TOKENS_FILE)
+        steps = {s: r.flat() for s, r in by_step.items()}
         write_steps(tmp, steps, metrics.config.describe())
     with interrupt.stage("reports"):
-        ctx, entries = load_report(tmp)
+        ctx, entries = load_report(tmp, integrity=integrity)
         write_outputs(ctx, entries)
     return run, metrics.flat(), steps, ctx
+
+
+def measure(tokens: Path, run: dict[str, Any]) -> tuple[Any, dict[int, Any], Any]:
+    """The run's metrics, each step's and the integrity findings, in one pass over the store:
+    the metric engine reads each batch once (``metrics.steps.compute_by_step``, on every
+    core) and hands it to the integrity checks, which run beside it in a thread of their own
+    (``metrics.integrity.compute_integrity`` on those batches)."""
+    from mismatch_probe.metrics.integrity import compute_integrity
+    from mismatch_probe.metrics.steps import compute_by_step
+
+    batches: queue.Queue[Any] = queue.Queue(maxsize=4)
+    found: dict[str, Any] = {}
+
+    def check() -> None:
+        try:
+            found["integrity"] = compute_integrity(tokens, run, iter(batches.get, None))
+        except BaseException as exc:  # re-raised by the caller, after the pass
+            found["error"] = exc
+            while batches.get() is not None:  # keep the metric pass from blocking
+                pass
+
+    thread = threading.Thread(target=check, name="ingest-integrity", daemon=True)
+    thread.start()
+    try:
+        metrics, steps = compute_by_step(tokens, on_table=batches.put)
+    finally:
+        batches.put(None)
+        thread.join()
+    if "error" in found:
+        raise found["error"]
+    return metrics, steps, found["integrity"]
 
 
 def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqBatch]]:

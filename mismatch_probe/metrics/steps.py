@@ -1,21 +1,40 @@
 """Metrics per training step of a store with a ``step`` column (``probe ingest`` runs).
 
 The steps come from the row groups' footer statistics; a row group whose minimum and maximum
-differ (a foreign writer mixed steps) is read for its ``step`` column alone. Each step's metrics
-are one ``compute_metrics(..., step=N)`` call, which reads only the row groups that can hold
-the step, so all steps together cost about one pass over the file.
+differ (a foreign writer mixed steps) is read for its ``step`` column alone. ``compute_by_step``
+gives the run's metrics and every step's in one pass over the file (each batch computed once,
+on every core), equal to ``compute_metrics(..., step=N)`` of each step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.config import MetricsConfig
-from mismatch_probe.metrics.stream import compute_metrics
-from mismatch_probe.store import STEP_COLUMN, open_parquet, resolve_tokens_path, step_ranges
+from mismatch_probe.metrics.stream import (
+    OPTIONAL_COLUMNS,
+    MetricEngine,
+    MetricsResult,
+    check_settings,
+    select_setting,
+    table_partial,
+)
+from mismatch_probe.metrics.turns import prompt_lengths, rerender_scalars
+from mismatch_probe.parallel import ordered_map
+from mismatch_probe.store import (
+    METRIC_COLUMNS,
+    STEP_COLUMN,
+    iter_sequence_batches,
+    open_parquet,
+    resolve_tokens_path,
+    step_ranges,
+)
 
 
 def list_steps(path: Path | str) -> list[int]:
@@ -54,4 +73,63 @@ def compute_step_metrics(
     path: Path | str, config: MetricsConfig | None = None
 ) -> dict[int, dict[str, float]]:
     """``{step: flat metrics}`` for every step, ascending."""
-    return {s: compute_metrics(path, config, step=s).flat() for s in list_steps(path)}
+    return {s: r.flat() for s, r in compute_by_step(path, config)[1].items()}
+
+
+def compute_by_step(
+    path: Path | str,
+    config: MetricsConfig | None = None,
+    workers: int | None = None,
+    on_table: Callable[[pa.Table], None] | None = None,
+) -> tuple[MetricsResult, dict[int, MetricsResult]]:
+    """The run's metrics and each step's, in one pass over the store.
+
+    Every batch is computed once for the run; a batch that holds one step is that step's batch
+    too, and one that holds the end of a step and the start of the next (a sequence carried
+    over a row group) is also computed per step. The steps' batches are then those that
+    ``compute_metrics(path, step=N)`` reads, merged in the same order: the same numbers.
+    ``on_table`` sees each batch as read (``probe ingest`` feeds the integrity checks with it).
+    """
+    config = config or MetricsConfig()
+    path = resolve_tokens_path(Path(path))
+    names = open_parquet(path).schema_arrow.names
+    if STEP_COLUMN not in names:
+        raise ProbeError(f"{path} has no step column (not an ingested run)")
+    optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
+    run = MetricEngine(config, has_flip="support_flip" in names)
+    steps: dict[int, MetricEngine] = {}
+    seen: set[str] = set()
+
+    def tables() -> Iterator[pa.Table]:
+        for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional, STEP_COLUMN]):
+            if on_table is not None:
+                on_table(table)
+            table = select_setting(table, None, seen)
+            if table.num_rows:
+                yield table
+
+    for whole, parts in ordered_map(lambda t: _step_partials(run, t), tables(), workers):
+        run.merge(whole)
+        for step, part in parts:
+            steps.setdefault(step, MetricEngine(config, run.has_flip)).merge(part)
+    check_settings(path, None, seen)
+    covered = next(iter(seen)) if len(seen) == 1 else None
+    lengths = prompt_lengths(path, None)
+    result = run.result(str(path), covered, lengths, rerender_scalars(path, None))
+    return result, {s: steps[s].result(f"{path} step {s}", covered, lengths) for s in sorted(steps)}
+
+
+def _step_partials(
+    engine: MetricEngine, table: pa.Table
+) -> tuple[MetricEngine, list[tuple[int, MetricEngine]]]:
+    """The run's partial of a batch and its steps' (the same one for a batch of one step)."""
+    column = table.column(STEP_COLUMN)
+    whole = table_partial(engine, table)
+    values = np.asarray(pc.unique(column.drop_null()).to_pylist(), dtype=np.int64)
+    if len(values) == 1 and not column.null_count:
+        return whole, [(int(values[0]), whole)]  # the same rows: the same partial
+    return whole, [(int(s), table_partial(engine, _only(table, int(s)))) for s in sorted(values)]
+
+
+def _only(table: pa.Table, step: int) -> pa.Table:
+    return table.filter(pc.equal(table.column(STEP_COLUMN), step))

@@ -189,7 +189,7 @@ class MetricEngine:
         return MetricsResult(self.config, scalars, curves, tables)
 
 
-def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.Table:
+def select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.Table:
     if "setting" not in table.column_names:
         return table
     seen.update(pc.unique(table.column("setting")).to_pylist())
@@ -198,7 +198,7 @@ def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.
     return table.filter(pc.equal(table.column("setting"), setting))
 
 
-def _check_settings(path: Path, setting: str | None, seen: set[str]) -> None:
+def check_settings(path: Path, setting: str | None, seen: set[str]) -> None:
     if setting is None and len(seen) > 1:
         names = ", ".join(sorted(seen))
         raise ProbeError(f"{path} holds {len(seen)} settings ({names}); choose one with --setting")
@@ -250,13 +250,13 @@ def compute_metrics(
         for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional], groups):
             if step is not None:
                 table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
-            table = _select_setting(table, setting, seen)
+            table = select_setting(table, setting, seen)
             if table.num_rows:
                 yield table
 
     for part in ordered_map(lambda t: table_partial(engine, t), tables(), workers):
         engine.merge(part)
-    _check_settings(path, setting, seen)
+    check_settings(path, setting, seen)
     covered = setting if setting is not None or len(seen) != 1 else next(iter(seen))
     source = str(path) if step is None else f"{path} step {step}"
     lengths = prompt_lengths(path, setting)
