@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ class IngestResult:
     metrics: dict[str, float]
     steps: dict[int, dict[str, float]]
     report: Any  # report.RunContext
+    # seconds of each stage: "store" (read and write), "metrics" (with integrity), "reports"
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def check_out(out: Path) -> None:
@@ -62,8 +65,8 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
         store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp,
         _named_as(tmp, cfg.out),
     ):
-        run, metrics, steps, ctx = _ingest_into(tmp, cfg, fmt)
-    return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out))
+        run, metrics, steps, ctx, timings = _ingest_into(tmp, cfg, fmt)
+    return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out), timings)
 
 
 def _never(path: Path) -> bool:
@@ -87,9 +90,16 @@ def _named_as(tmp: Path, out: Path) -> Iterator[None]:
 
 def _ingest_into(
     tmp: Path, cfg: IngestConfig, fmt: Format
-) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any]:
+) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any, dict[str, float]]:
     from mismatch_probe.report import load_report, write_outputs
     from mismatch_probe.report.trend import write_steps
+
+    clock = [time.perf_counter()]
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        clock.append(time.perf_counter())
+        timings[name] = clock[-1] - clock[-2]
 
     with interrupt.stage("reading"):
         off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
@@ -107,15 +117,18 @@ def _ingest_into(
     run["counts"] = _counts(counts)
     run["mask_rules"] = counts.mask_rules()
     store.write_json(tmp / store.RUN_FILE, run)
+    lap("store")
     with interrupt.stage("metrics"):
         metrics, by_step, integrity = measure(tmp / store.TOKENS_FILE, run)
         store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
         steps = {s: r.flat() for s, r in by_step.items()}
         write_steps(tmp, steps, metrics.config.describe())
+    lap("metrics")
     with interrupt.stage("reports"):
         ctx, entries = load_report(tmp, integrity=integrity)
         write_outputs(ctx, entries)
-    return run, metrics.flat(), steps, ctx
+    lap("reports")
+    return run, metrics.flat(), steps, ctx, timings
 
 
 def measure(tokens: Path, run: dict[str, Any]) -> tuple[Any, dict[int, Any], Any]:
