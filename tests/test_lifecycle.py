@@ -189,7 +189,7 @@ def _scenarios(model: Path, prompts: Path, root: Path) -> dict[str, dict[str, An
     ]
     turns_file.write_text(json.dumps({"messages": conversation}) + "\n")  # fmt: skip
     out["mp_multiturn"] = {
-        "args": [*scan_args(model, turns_file, tmp / "run", 400), "--samples-per-prompt", "4"],
+        "args": [*scan_args(model, turns_file, tmp / "run", 200), "--samples-per-prompt", "4"],
         "tmp_path": tmp,
         "at_stage": "generation",
         "signum": signal.SIGTERM,
