@@ -62,6 +62,11 @@ WRITERS = {
     "probe": _write_probe,
     "miles-parquet": write_miles,
 }
+VARIANTS = {  # name: (format, writer)
+    "skyrl-legacy-padded": ("skyrl", lambda root, data: write_skyrl(root, data, legacy=True,
+                                                                     pad_size=1)),
+    "verl-dp-numpy": ("verl-dp", lambda root, data: write_verl(root, data, method="numpy")),
+}  # fmt: skip
 
 
 def _old_records(fmt: str, cfg: IngestConfig):
@@ -134,6 +139,15 @@ def _big_steps(steps: list[int], seqs: int, length: int, seed: int) -> dict[int,
 def test_every_format_gives_the_store_of_the_record_readers(fmt: str, tmp_path: Path) -> None:
     data = synthetic_steps([2, 5, 9], seqs=6, seed=3)
     new, old, new_counts, old_counts = _stores(fmt, WRITERS[fmt](tmp_path / "src", data), tmp_path)
+    assert asdict(new_counts) == asdict(old_counts) and new_counts.tokens > 0
+    _assert_same_stores(new, old)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dump_variants_give_the_store_of_the_record_readers(variant: str, tmp_path: Path) -> None:
+    fmt, write = VARIANTS[variant]
+    data = synthetic_steps([1, 4], seqs=5, seed=8)
+    new, old, new_counts, old_counts = _stores(fmt, write(tmp_path / "src", data), tmp_path)
     assert asdict(new_counts) == asdict(old_counts) and new_counts.tokens > 0
     _assert_same_stores(new, old)
 

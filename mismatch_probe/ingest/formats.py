@@ -91,6 +91,7 @@ FORMATS: dict[str, Format] = {
         "rollout_log_probs",
         "old_log_probs",
         "volcengine/verl verl/protocol.py, verl/trainer/ppo/ray_trainer.py",
+        lambda c: verl_dp.read_batches(c.path, c.steps, c.trust_pickle),
     ),
     "skyrl": Format(
         lambda c: skyrl.read(c.path, c.steps, c.trust_pickle),
@@ -99,6 +100,7 @@ FORMATS: dict[str, Format] = {
         "rollout_logprobs",
         "action_log_probs",
         "NovaSky-AI/SkyRL skyrl/train/trainer.py, skyrl/backends/skyrl_train/training_batch.py",
+        lambda c: skyrl.read_batches(c.path, c.steps, c.trust_pickle),
     ),
     "probe": Format(
         lambda c: probe_format.read(c.path, c.steps),
@@ -107,6 +109,7 @@ FORMATS: dict[str, Format] = {
         "rollout_logprob",
         "train_logprob",
         "mismatch_probe/ingest/hook.py (ProbeWriter)",
+        lambda c: probe_format.read_batches(c.path, c.steps),
     ),
 }
 
