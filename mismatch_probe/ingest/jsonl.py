@@ -29,7 +29,7 @@ MIN_BLOCK = 1 << 20
 
 
 def read_table(
-    file: Path, schema: pa.Schema, optional: Mapping[str, tuple[pa.DataType, ...]] = {}
+    file: Path, schema: pa.Schema, optional: Mapping[str, tuple[pa.DataType, ...]] | None = None
 ) -> pa.Table | None:
     """``file`` parsed against ``schema`` (plus each ``optional`` field that occurs in the file,
     with the first of its types that parses), one row per line; None: see the module docstring.
@@ -40,6 +40,7 @@ def read_table(
         return None
     if b"\r" in data or not _utf8(data):
         return None
+    optional = optional or {}
     found = [name for name in optional if f'"{name}"'.encode() in data]
     choices: list[list[tuple[str, pa.DataType]]] = [[]]
     for name in found:

@@ -1,8 +1,10 @@
-"""Stream ``SeqRecord`` s into a run's ``tokens.parquet`` and ``sequences.parquet``.
+"""Stream responses (``batches.SeqBatch`` es, or ``SeqRecord`` s one at a time) into a run's
+``tokens.parquet`` and ``sequences.parquet``, column by column (no Python object per token).
 
-Records are buffered until ``store.ROW_GROUP_TOKENS`` tokens or a new step, then written as one
-row group: a row group never splits a sequence and never mixes steps, so the ``step`` column's
-footer statistics locate each step exactly (``store.step_row_groups``). Memory is one row group.
+Responses are buffered until ``store.ROW_GROUP_TOKENS`` tokens or a new step, then written as one
+row group (a batch is cut where its responses, added one by one, would have closed one): a
+row group never splits a sequence and never mixes steps, so the ``step`` column's footer
+statistics locate each step exactly (``store.step_row_groups``). Memory is one row group.
 
 The token store is the scan's schema (``store.TOKEN_SCHEMA``) with a ``step`` column and
 without ``setting`` and ``support_flip`` (an ingested run has one source and no flip flags);
