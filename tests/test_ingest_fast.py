@@ -285,6 +285,6 @@ def test_one_pass_gives_each_steps_metrics_and_the_integrity_bit_for_bit(tmp_pat
     exact = lambda r: json.dumps(r.to_json_dict(), sort_keys=True, default=str)  # noqa: E731
     assert exact(whole) == exact(compute_metrics(tokens))
     assert sorted(steps) == [1, 2, 3, 5]
-    for step, result in steps.items():
-        assert exact(result) == exact(compute_metrics(tokens, step=step)), step
+    for step, flat in steps.items():
+        assert repr(flat) == repr(compute_metrics(tokens, step=step).flat()), step
     assert integrity == compute_integrity(tokens, run)

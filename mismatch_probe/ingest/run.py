@@ -121,7 +121,7 @@ def _ingest_into(
     with interrupt.stage("metrics"):
         metrics, by_step, integrity = measure(tmp / store.TOKENS_FILE, run)
         store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
-        steps = {s: r.flat() for s, r in by_step.items()}
+        steps = by_step
         write_steps(tmp, steps, metrics.config.describe())
     lap("metrics")
     with interrupt.stage("reports"):

@@ -22,6 +22,7 @@ from mismatch_probe.metrics.stream import (
     MetricEngine,
     MetricsResult,
     check_settings,
+    compute_metrics,
     select_setting,
     table_partial,
 )
@@ -73,7 +74,7 @@ def compute_step_metrics(
     path: Path | str, config: MetricsConfig | None = None
 ) -> dict[int, dict[str, float]]:
     """``{step: flat metrics}`` for every step, ascending."""
-    return {s: r.flat() for s, r in compute_by_step(path, config)[1].items()}
+    return compute_by_step(path, config)[1]
 
 
 def compute_by_step(
@@ -81,14 +82,17 @@ def compute_by_step(
     config: MetricsConfig | None = None,
     workers: int | None = None,
     on_table: Callable[[pa.Table], None] | None = None,
-) -> tuple[MetricsResult, dict[int, MetricsResult]]:
-    """The run's metrics and each step's, in one pass over the store.
+) -> tuple[MetricsResult, dict[int, dict[str, float]]]:
+    """The run's metrics and each step's flat metrics, in one pass over the store.
 
     Every batch is computed once for the run; a batch that holds one step is that step's batch
     too, and one that holds the end of a step and the start of the next (a sequence carried
     over a row group) is also computed per step. The steps' batches are then those that
-    ``compute_metrics(path, step=N)`` reads, merged in the same order: the same numbers.
-    ``on_table`` sees each batch as read (``probe ingest`` feeds the integrity checks with it).
+    ``compute_metrics(path, step=N)`` reads, merged in the same order: the same numbers. A
+    step's engine is finished as soon as a batch of a later step arrives (memory: the steps in
+    flight, whatever the number of steps); a step seen again after that (a foreign writer's
+    unordered steps) is computed on its own at the end. ``on_table`` sees each batch as read
+    (``probe ingest`` feeds the integrity checks with it).
     """
     config = config or MetricsConfig()
     path = resolve_tokens_path(Path(path))
@@ -97,7 +101,7 @@ def compute_by_step(
         raise ProbeError(f"{path} has no step column (not an ingested run)")
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
     run = MetricEngine(config, has_flip="support_flip" in names)
-    steps: dict[int, MetricEngine] = {}
+    steps = _Steps(path, config, run.has_flip)
     seen: set[str] = set()
 
     def tables() -> Iterator[pa.Table]:
@@ -110,13 +114,43 @@ def compute_by_step(
 
     for whole, parts in ordered_map(lambda t: _step_partials(run, t), tables(), workers):
         run.merge(whole)
-        for step, part in parts:
-            steps.setdefault(step, MetricEngine(config, run.has_flip)).merge(part)
+        steps.add(parts)
     check_settings(path, None, seen)
     covered = next(iter(seen)) if len(seen) == 1 else None
-    lengths = prompt_lengths(path, None)
-    result = run.result(str(path), covered, lengths, rerender_scalars(path, None))
-    return result, {s: steps[s].result(f"{path} step {s}", covered, lengths) for s in sorted(steps)}
+    result = run.result(str(path), covered, steps.lengths, rerender_scalars(path, None))
+    return result, steps.finish(covered)
+
+
+class _Steps:
+    """The per-step engines in flight and the steps' finished flat metrics."""
+
+    def __init__(self, path: Path, config: MetricsConfig, has_flip: bool) -> None:
+        self.path, self.config, self.has_flip = path, config, has_flip
+        self.open: dict[int, MetricEngine] = {}
+        self.done: dict[int, dict[str, float]] = {}
+        self.again: set[int] = set()  # finished steps seen again: computed on their own
+        self.lengths = prompt_lengths(path, None)
+
+    def add(self, parts: list[tuple[int, MetricEngine]]) -> None:
+        for step in [s for s in self.open if s < min(p[0] for p in parts)]:
+            self._close(step, None)
+        for step, part in parts:
+            if step in self.done or step in self.again:
+                self.again.add(step)
+                continue
+            self.open.setdefault(step, MetricEngine(self.config, self.has_flip)).merge(part)
+
+    def _close(self, step: int, covered: str | None) -> None:
+        engine = self.open.pop(step)
+        source = f"{self.path} step {step}"
+        self.done[step] = engine.result(source, covered, self.lengths).flat()
+
+    def finish(self, covered: str | None) -> dict[int, dict[str, float]]:
+        for step in list(self.open):
+            self._close(step, covered)
+        for step in self.again:
+            self.done[step] = compute_metrics(self.path, self.config, step=step).flat()
+        return dict(sorted(self.done.items()))
 
 
 def _step_partials(
