@@ -90,3 +90,30 @@ def _state(obj: object) -> object:
     if hasattr(obj, "__dict__"):
         return {k: _state(v) for k, v in vars(obj).items() if k != "parts"}
     return obj
+
+
+def test_steps_in_one_pass_equal_each_steps_own_pass_even_unordered(tmp_path: Path) -> None:
+    """A foreign store whose step 1 comes back after step 2: every step still equals
+    ``compute_metrics(step=N)`` bit for bit, and the run equals ``compute_metrics``."""
+    from mismatch_probe.metrics.steps import compute_by_step
+
+    rng = np.random.default_rng(2)
+    path = tmp_path / "tokens.parquet"
+    with pq.ParquetWriter(path, pa.schema([("step", pa.int64()), ("seq_id", pa.int64()),
+                                           ("position", pa.int32()),
+                                           ("rollout_logprob", pa.float32()),
+                                           ("train_logprob", pa.float32())])) as w:  # fmt: skip
+        for k, step in enumerate([1, 1, 2, 2, 1, 3]):
+            seq = np.repeat(np.arange(k * 50, k * 50 + 50), 40)
+            rollout = -rng.exponential(1.0, len(seq))
+            w.write_table(pa.table({
+                "step": np.full(len(seq), step), "seq_id": seq,
+                "position": np.tile(np.arange(40, dtype=np.int32), 50),
+                "rollout_logprob": rollout.astype(np.float32),
+                "train_logprob": (rollout + rng.normal(0, 0.05, len(seq))).astype(np.float32),
+            }))  # fmt: skip
+    run, steps = compute_by_step(path, workers=2)
+    assert _exact(run) == _exact(compute_metrics(path, workers=1))
+    assert sorted(steps) == [1, 2, 3]
+    for step, flat in steps.items():
+        assert repr(flat) == repr(compute_metrics(path, step=step).flat()), step
