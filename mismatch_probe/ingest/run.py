@@ -91,8 +91,9 @@ def _named_as(tmp: Path, out: Path) -> Iterator[None]:
 def _ingest_into(
     tmp: Path, cfg: IngestConfig, fmt: Format
 ) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any, dict[str, float]]:
-    from mismatch_probe.report import load_report, write_outputs
-    from mismatch_probe.report.trend import write_steps
+    from mismatch_probe.report import write_outputs
+    from mismatch_probe.rundir.loader import load_report
+    from mismatch_probe.rundir.trend import write_steps
 
     clock = [time.perf_counter()]
     timings: dict[str, float] = {}
@@ -199,7 +200,7 @@ def run_metadata(
     cfg: IngestConfig, fmt: Format, off_policy: dict[str, Any], model_dir: Path | None
 ) -> dict[str, Any]:
     """``run.json`` of an ingested run (``counts`` added once the store is written)."""
-    from mismatch_probe.pipeline.runinfo import library_versions
+    from mismatch_probe.hardware import library_versions
 
     train = fmt.train_field or f"rescored with --model ({cfg.train_dtype}, T={cfg.temperature:g})"
     run: dict[str, Any] = {
