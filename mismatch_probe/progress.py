@@ -48,9 +48,11 @@ def make_progress(console: Any) -> Any:
 class _RichTqdm:
     """The part of tqdm's interface that vLLM's ``_run_engine`` uses."""
 
-    def __init__(self, progress: Progress, description: str, total: int) -> None:
+    def __init__(
+        self, progress: Progress, description: str, total: int, unit: str = "responses"
+    ) -> None:
         self._progress = progress
-        self._task = progress.add_task(description, total=total, unit="responses")
+        self._task = progress.add_task(description, total=total, unit=unit)
         self._start = time.perf_counter()
         self.n = 0
         self.postfix = ""
@@ -70,13 +72,14 @@ class _RichTqdm:
         self._progress.refresh()
 
 
-def vllm_progress(progress: Progress, description: str, total: int) -> Any:
-    """A ``use_tqdm`` callable for vLLM that reports into ``progress``."""
+def vllm_progress(progress: Progress, description: str, total: int, unit: str = "responses") -> Any:
+    """A ``use_tqdm`` callable for vLLM (and the multi-turn request loop: one ``unit`` per
+    finished turn) that reports into ``progress``."""
 
     def factory(*args: Any, **_kwargs: Any) -> Any:
         if args:  # vLLM also wraps the iterable of prompts it adds: pass it through
             return args[0]
-        return _RichTqdm(progress, description, total)
+        return _RichTqdm(progress, description, total, unit)
 
     return factory
 

@@ -31,6 +31,7 @@ RANKS = {
     "models": 1, "sampling": 1, "settings": 1, "prompts": 1, "progress": 1, "interrupt": 1,
     "hardware": 1, "option_rules": 1,
     "store": 0,  # the contract between stages
+    "parallel": -1,  # work on every core, results in a fixed order
     "errors": -2,
 }  # fmt: skip
 # The two sides never import each other, nor the other side's library.

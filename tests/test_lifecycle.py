@@ -11,6 +11,7 @@ side by side (module fixture ``outcomes``); the tests then read their outcomes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -177,6 +178,23 @@ def _scenarios(model: Path, prompts: Path, root: Path) -> dict[str, dict[str, An
         "signum": signal.SIGTERM,
         "env": MULTIPROCESS,
     }
+    tmp = root / "mp_multiturn"  # trajectories in the engine's request loop: none outlives
+    turns_file = tmp / "turns.jsonl"
+    turns_file.parent.mkdir(parents=True, exist_ok=True)
+    conversation = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "go on"},
+        {"role": "assistant", "content": None},
+    ]
+    turns_file.write_text(json.dumps({"messages": conversation}) + "\n")  # fmt: skip
+    out["mp_multiturn"] = {
+        "args": [*scan_args(model, turns_file, tmp / "run", 200), "--samples-per-prompt", "4"],
+        "tmp_path": tmp,
+        "at_stage": "generation",
+        "signum": signal.SIGTERM,
+        "env": MULTIPROCESS,
+    }
     for name, env in (("mp_failed", MULTIPROCESS), ("in_process_failed", {})):
         tmp = root / name
         tmp.mkdir(parents=True)
@@ -246,6 +264,16 @@ def test_sigterm_stops_a_multiprocess_engine(outcomes: dict[str, Outcome]) -> No
     assert len(result.seen) >= 2  # the engine core and its worker ran in their own processes
     assert survivors(result.seen) == []
     assert "Triton is installed" in result.stderr  # --verbose: the engine's own output
+
+
+def test_an_interrupted_multi_turn_scan_leaves_no_engine(outcomes: dict[str, Outcome]) -> None:
+    """SIGTERM while multi-turn trajectories advance in a multiprocess engine's request loop:
+    one line, nothing written, no engine process left."""
+    result = outcomes["mp_multiturn"]
+    assert result.code == 143, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("interrupted during generation; ")
+    assert "Traceback" not in result.stderr
+    assert len(result.seen) >= 2 and survivors(result.seen) == []
 
 
 def test_failed_engine_start_names_the_root_cause(outcomes: dict[str, Outcome]) -> None:

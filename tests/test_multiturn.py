@@ -163,3 +163,92 @@ def test_bf16_mismatch_on_every_turn(engines: Any, prompts: list[Any], fp32_mode
     assert sorted(ratios) == [0, 1, 2]
     for t, r in ratios.items():
         assert float(np.mean(np.abs(r))) > 1e-3, t
+
+
+def test_prefix_cache_record_says_why_the_rest_was_not_cached(
+    fp32_rollouts: list[Any], prompts: list[Any]
+) -> None:
+    record = turns.prefix_cache_record(fp32_rollouts)
+    assert record is not None and record["block_size"] > 0
+    parts = ("cached_tokens", "uncached_new_context_tokens", "uncached_partial_block_tokens",
+             "uncached_other_tokens")  # fmt: skip
+    assert sum(record[k] for k in parts) == record["prompt_tokens"]
+    # the given messages between turns were never computed before their request
+    given = sum(
+        r.turns.starts[k] - r.turns.starts[k - 1] - r.turns.turn.count(k - 1)
+        for r in fp32_rollouts
+        for k in range(1, len(r.turns.starts))
+    )
+    assert record["uncached_new_context_tokens"] == given > 0
+    # the CPU backend keeps whole blocks: the previous turn's last, partial block is recomputed
+    assert (
+        0
+        < record["uncached_partial_block_tokens"]
+        <= record["block_size"] * len([1 for r in fp32_rollouts for _ in r.turns.starts[1:]])
+    )
+
+
+def test_every_turn_advances_the_progress(engines: Any, prompts: list[Any]) -> None:
+    """Plain lines (no terminal): the phase counts every turn of every trajectory."""
+    import io
+
+    from rich.console import Console
+
+    from mismatch_probe.progress import PlainProgress, vllm_progress
+
+    out = io.StringIO()
+    total = turns.request_count(prompts, SAMPLES)
+    bar = vllm_progress(PlainProgress(Console(file=out)), "gen fp32", total, "turns")
+    turns.generate(engines.get("float32", "processed"), prompts, SPEC, SAMPLES, bar)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == f"gen fp32: started, {total} turns"
+    assert lines[-1].startswith(f"gen fp32: done, {total} turns in ")
+    assert total == 2 * (3 + 2 + 1)  # two samples of a 3-turn, a 2-turn and a 1-turn prompt
+
+
+class _ScriptedEngine:
+    """A stand-in for vLLM's ``LLMEngine`` in a unit test of the request loop's scheduling
+    alone (the real engine runs in every other test here): request ``turn-<i>-<k>`` finishes
+    after ``lengths[i][k]`` steps; submissions and finishes are logged in order."""
+
+    def __init__(self, lengths: dict[int, list[int]]) -> None:
+        self.lengths, self.left, self.log = lengths, {}, []
+        self.aborted: list[str] = []
+
+    def add_request(self, request: str, prompt: Any, params: Any) -> None:
+        i, k = (int(x) for x in request.split("-")[1:])
+        self.left[request] = self.lengths[i][k]
+        self.log.append(("submit", request))
+
+    def step(self) -> list[Any]:
+        from types import SimpleNamespace
+
+        done = []
+        for request in list(self.left):
+            self.left[request] -= 1
+            if self.left[request] == 0:
+                del self.left[request]
+                self.log.append(("finish", request))
+                out = SimpleNamespace(token_ids=[1], logprobs=[{1: SimpleNamespace(logprob=-1.0)}],
+                                      finish_reason="length", text="x")  # fmt: skip
+                done.append(SimpleNamespace(request_id=request, finished=True, outputs=[out],
+                                            num_cached_tokens=0))  # fmt: skip
+        return done
+
+    def abort_request(self, requests: list[str]) -> None:
+        self.aborted += requests
+
+
+def test_a_trajectory_submits_its_next_turn_when_its_own_turn_ends(prompts: list[Any]) -> None:
+    """Trajectory 0's turns take 1 step each, trajectory 1's first turn takes 10: trajectory 0
+    runs its second and third turns while trajectory 1's first is still generating."""
+    from types import SimpleNamespace
+
+    three = next(p for p in prompts if p.turns is not None and p.turns.turns == 3)
+    engine = _ScriptedEngine({0: [1, 1, 1], 1: [10, 1, 1]})
+    trajectories = [turns._Trajectory(three, 0), turns._Trajectory(three, 1)]
+    loop = turns._RequestLoop(SimpleNamespace(llm_engine=engine), SPEC, trajectories)
+    loop.run(None)
+    log = engine.log
+    assert log.index(("submit", "turn-0-2")) < log.index(("finish", "turn-1-0"))
+    assert [len(t.starts) for t in trajectories] == [3, 3] and not loop.pending

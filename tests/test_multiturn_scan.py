@@ -91,6 +91,16 @@ def test_store_holds_turns(matrix: Any) -> None:
         assert position == sorted(set(position))  # gaps at the given context, never repeats
 
 
+def test_run_json_says_why_later_turns_were_not_cached(matrix: Any) -> None:
+    run = json.loads((matrix.out_dir / store.RUN_FILE).read_text())
+    for entry in run["rollouts"]:
+        cache = entry["prefix_cache"]
+        parts = ("cached_tokens", "uncached_new_context_tokens",
+                 "uncached_partial_block_tokens", "uncached_other_tokens")  # fmt: skip
+        assert sum(cache[k] for k in parts) == cache["prompt_tokens"] > 0
+        assert cache["later_turn_requests"] == 2 * (2 + 1) and cache["block_size"] > 0
+
+
 def test_metrics_json_per_turn(matrix: Any) -> None:
     data = json.loads((matrix.out_dir / store.METRICS_FILE).read_text())
     rows = data["per_turn"]

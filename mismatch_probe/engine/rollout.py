@@ -63,6 +63,7 @@ class Turns:
     texts: tuple[str, ...]  # [n] each turn's text as the engine decoded it
     cached_tokens: tuple[int, ...]  # [n] prompt tokens of each turn's request the prefix cache held
     messages: tuple[dict[str, Any], ...] = ()  # the prompt's messages (open turns: no content)
+    block_size: int = 0  # the engine's KV-cache block size (0: unknown)
 
 
 @dataclass

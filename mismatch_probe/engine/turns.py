@@ -4,10 +4,14 @@ The multi-turn spec's trajectory is append-only: ``ids = P0 + G1 + D1 + G2 + ...
 is one request whose prompt is the trajectory so far (token ids: the sampled ``G`` ids are
 never re-tokenized); its sampled ids and log-probabilities are recorded, then the prompt's
 ``TurnPlan`` says which context ids follow (the template's close, the given messages, the next
-generation prompt). All trajectories' turn ``k`` go to the engine in one batched call.
+generation prompt). Trajectories advance independently: the engine's request loop (``vllm``'s
+``LLMEngine.add_request`` / ``step``, in-process and multiprocess engines alike) gets a
+trajectory's turn ``k + 1`` as soon as its turn ``k`` ends, so a short turn never waits for the
+batch's longest; an interrupt aborts the requests still in the engine.
 
 The prompt of turn ``k`` repeats turns ``0..k-1``: the engine's prefix cache holds them
-(``engine_defaults`` turns it on; each turn's cached prompt tokens are recorded). A prompts
+(``engine_defaults`` turns it on; each turn's cached prompt tokens are recorded, and
+``prefix_cache_record`` says why the rest was not cached). A prompts
 file without open assistant turns is sampled by ``rollout.generate`` exactly as before.
 """
 
@@ -72,7 +76,7 @@ class _Trajectory:
         if self.prompt.turns is not None:
             self.continuation += self.prompt.turns.context_after(k, ids)
 
-    def rollout(self, seq_id: int) -> Rollout:
+    def rollout(self, seq_id: int, block_size: int = 0) -> Rollout:
         turns = Turns(
             continuation=tuple(self.continuation),
             positions=tuple(self.positions),
@@ -82,6 +86,7 @@ class _Trajectory:
             texts=tuple(self.texts),
             cached_tokens=tuple(self.cached),
             messages=self.prompt.turns.messages if self.prompt.turns is not None else (),
+            block_size=block_size,
         )
         return Rollout(
             seq_id=seq_id,
@@ -101,6 +106,12 @@ def turn_seed(spec: SamplingSpec, prompt_id: int, sample_id: int, turn: int) -> 
     return (rollout.request_seed(spec, prompt_id, sample_id) + turn * TURN_SEED_STRIDE) % (2**31)
 
 
+def request_count(prompts: Sequence[EncodedPrompt], samples_per_prompt: int) -> int:
+    """Engine requests of a scan: one per generated turn of every trajectory."""
+    per = sum(p.turns.turns if p.turns is not None else 1 for p in prompts)
+    return per * samples_per_prompt
+
+
 def generate(
     llm: Any,
     prompts: Sequence[EncodedPrompt],
@@ -108,7 +119,11 @@ def generate(
     samples_per_prompt: int,
     progress: Callable[..., Any] | bool = False,
 ) -> list[Rollout]:
-    """Sample every prompt's trajectory (``samples_per_prompt`` each), turn by turn.
+    """Sample every prompt's trajectory (``samples_per_prompt`` each), turn by turn, each
+    trajectory at its own pace: its next turn is submitted to the engine's request loop as soon
+    as its own previous turn ends (``LLMEngine.add_request`` / ``step``, as agent frameworks
+    drive it), while the other trajectories' turns keep running. ``progress``: a ``use_tqdm``
+    callable, advanced once per finished turn request (``request_count`` in all).
 
     Returns:
         Rollouts ordered by (prompt, sample); ``seq_id`` is that order's index. A multi-turn
@@ -117,34 +132,103 @@ def generate(
     """
     if not multi_turn(prompts):
         return rollout.generate(llm, prompts, spec, samples_per_prompt, progress)
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     trajectories = [_Trajectory(p, s) for p in prompts for s in range(samples_per_prompt)]
-    turn = 0
-    while active := [t for t in trajectories if turn < t.num_turns]:
-        params = [
-            rollout._sampling_params(SamplingParams, spec, t.prompt.prompt_id, t.sample_id)
-            for t in active
-        ]
-        for t, p in zip(active, params, strict=True):
-            p.seed = turn_seed(spec, t.prompt.prompt_id, t.sample_id, turn)
-        inputs = [
-            TokensPrompt(prompt_token_ids=[*t.prompt.token_ids, *t.continuation]) for t in active
-        ]
-        outputs = llm.generate(inputs, params, use_tqdm=progress if turn == 0 else False)
-        for t, out in zip(active, outputs, strict=True):
-            t.add_turn(out.outputs[0], getattr(out, "num_cached_tokens", None))
-        turn += 1
-    return [t.rollout(i) for i, t in enumerate(trajectories)]
+    loop = _RequestLoop(llm, spec, trajectories)
+    bar = progress(total=sum(t.num_turns for t in trajectories)) if callable(progress) else None
+    try:
+        loop.run(bar)
+    finally:
+        loop.abort()  # nothing of an interrupted scan keeps running in the engine
+        if bar is not None:
+            bar.close()
+    block = _block_size(llm)
+    return [t.rollout(i, block) for i, t in enumerate(trajectories)]
+
+
+class _RequestLoop:
+    """The engine's request loop over growing trajectories: request ``turn-<i>-<k>`` is turn
+    ``k`` of trajectory ``i``."""
+
+    def __init__(self, llm: Any, spec: SamplingSpec, trajectories: list[_Trajectory]) -> None:
+        self.engine = llm.llm_engine
+        self.spec = spec
+        self.trajectories = trajectories
+        self.pending: dict[str, int] = {}  # request id -> trajectory
+
+    def submit(self, i: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        t = self.trajectories[i]
+        k = len(t.starts)
+        params = rollout._sampling_params(
+            SamplingParams, self.spec, t.prompt.prompt_id, t.sample_id
+        )
+        params.seed = turn_seed(self.spec, t.prompt.prompt_id, t.sample_id, k)
+        ids = [*t.prompt.token_ids, *t.continuation]
+        request = f"turn-{i}-{k}"
+        self.engine.add_request(request, TokensPrompt(prompt_token_ids=ids), params)
+        self.pending[request] = i
+
+    def run(self, bar: Any) -> None:
+        for i in range(len(self.trajectories)):
+            self.submit(i)
+        while self.pending:
+            for out in self.engine.step():
+                if not out.finished or out.request_id not in self.pending:
+                    continue
+                i = self.pending.pop(out.request_id)
+                t = self.trajectories[i]
+                t.add_turn(out.outputs[0], getattr(out, "num_cached_tokens", None))
+                if bar is not None:
+                    bar.update(1)
+                if len(t.starts) < t.num_turns:
+                    self.submit(i)
+
+    def abort(self) -> None:
+        if self.pending:
+            self.engine.abort_request(list(self.pending))
+            self.pending.clear()
+
+
+def _block_size(llm: Any) -> int:
+    """The engine's KV-cache block size (the prefix cache keeps whole blocks); 0 if unknown."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return int(getattr(getattr(config, "cache_config", None), "block_size", 0) or 0)
 
 
 def prefix_cache_record(rollouts: Sequence[Rollout]) -> dict[str, int] | None:
     """``run.json``'s view of the prefix cache over the later turns' requests (turn >= 1):
-    their prompt tokens and how many of them the cache held; None without multi-turn."""
+    their prompt tokens, how many of them the cache held, and why the rest was not held, in
+    three parts that sum to the rest: ``uncached_new_context_tokens`` (the given messages and
+    the next generation prompt, never computed before the request), ``uncached_partial_block_
+    tokens`` (computed for the previous turn, but in its last, incomplete KV block: the cache
+    keeps whole blocks of ``block_size`` tokens, and the last sampled token has no KV yet) and
+    ``uncached_other_tokens`` (in whole blocks and not served: evicted). None without
+    multi-turn."""
     later = [(r, k) for r in rollouts if r.turns is not None for k in range(1, len(r.turns.starts))]
     if not later:
         return None
-    prompt = sum(len(r.prompt_ids) + r.turns.starts[k] for r, k in later if r.turns)
-    cached = sum(r.turns.cached_tokens[k] for r, k in later if r.turns)
-    return {"later_turn_requests": len(later), "prompt_tokens": prompt, "cached_tokens": cached}
+    parts = [_request_parts(r, k) for r, k in later]
+    keys = ("prompt_tokens", "cached_tokens", "uncached_new_context_tokens",
+            "uncached_partial_block_tokens", "uncached_other_tokens")  # fmt: skip
+    record = {"later_turn_requests": len(later)}
+    record.update({key: sum(p[j] for p in parts) for j, key in enumerate(keys)})
+    record["block_size"] = max((r.turns.block_size for r, _ in later if r.turns), default=0)
+    return record
+
+
+def _request_parts(r: Rollout, k: int) -> tuple[int, int, int, int, int]:
+    """Turn ``k``'s request: prompt tokens, cached, and the three uncached parts."""
+    assert r.turns is not None
+    t = r.turns
+    generated = sum(1 for turn in t.turn if turn == k - 1)
+    before = len(r.prompt_ids) + t.starts[k - 1] + generated  # the end of turn k-1's ids
+    prompt = len(r.prompt_ids) + t.starts[k]
+    cached = min(t.cached_tokens[k], prompt)
+    block = t.block_size
+    reusable = (before - 1) // block * block if block else before - 1  # whole blocks with KV
+    uncached = prompt - cached
+    new = min(prompt - before, uncached)
+    partial = min(max(before - reusable, 0), uncached - new)
+    return prompt, cached, new, partial, uncached - new - partial

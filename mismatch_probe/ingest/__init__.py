@@ -8,15 +8,29 @@ Public API::
     from mismatch_probe.ingest import FORMATS, IngestConfig, run_ingest, ProbeWriter
     result = run_ingest(IngestConfig("prime-rl", Path("outputs"), Path("runs/prime")))
 
+Reading, per format (what ``probe watch`` builds on): ``FORMATS[name].read_batches(cfg)``
+yields ``SeqBatch`` es (``batches``: the responses of one step as flat arrays, ``[S]`` per
+response, ``[T]`` per trained token), steps ascending, ``cfg.steps`` choosing the steps; every
+format has it (a vectorised reader where the bytes allow: prime-rl's JSONL through
+``jsonl``/pyarrow, one rank file per batch, files parsed on every core; the others' records
+gathered into batches by ``batches.from_records``). One file of one step:
+``prime_rl.read_file(file, step) -> SeqBatch``; ``FORMATS[name].read(cfg)`` is the same
+responses one ``SeqRecord`` at a time (the reference readers, which the fast ones fall back on
+for anything they do not read themselves, so errors read the same). ``RunStoreWriter.add_batch``
+writes batches into a run's store.
+
 Module map: ``records`` (the common ``SeqRecord``, config, shared checks), one reader per
 format (``prime_rl``, ``nemo_rl``, ``slime``, ``miles``, ``verl_dp``, ``skyrl``,
 ``probe_format``) behind the table in ``formats``, ``pickles`` (the restricted unpickler of the
 pickle-based dumps), ``hook`` (``ProbeWriter``, the writer half of the verl/TRL hooks) and
 ``frameworks`` (what the hooks know of TRL and verl: bounds, config checks, V1 fields), ``writer``
-(streaming token store), ``rescoring`` (the training side of rollout-only formats), ``run``
-(the pipeline). Readers know nothing about metrics or reports.
+(streaming token store), ``batches`` (``SeqBatch``), ``jsonl`` (vectorised JSONL), ``rescoring``
+(the training side of rollout-only formats), ``run`` (the pipeline: the store, then the
+metrics of the run and of every step with the integrity checks in one pass). Readers know
+nothing about metrics or reports.
 """
 
+from mismatch_probe.ingest.batches import SeqBatch
 from mismatch_probe.ingest.formats import FORMATS, Format
 from mismatch_probe.ingest.hook import ProbeWriter
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord, StepRange, parse_steps
@@ -28,6 +42,7 @@ __all__ = [
     "IngestConfig",
     "IngestResult",
     "ProbeWriter",
+    "SeqBatch",
     "SeqRecord",
     "StepRange",
     "parse_steps",

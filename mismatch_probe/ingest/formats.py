@@ -14,6 +14,7 @@ from typing import Any
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import miles, nemo_rl, prime_rl, probe_format, skyrl, slime, verl_dp
+from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord
 
 
@@ -28,6 +29,8 @@ class Format:
         rollout_field: the framework's name of the engine's log-probs.
         train_field: its name of the trainer's log-probs (None: rescored with ``--model``).
         checked: the source file the reader was checked against.
+        batches: ``IngestConfig -> SeqBatch`` s, the same responses as ``read`` in columns
+            (a vectorised reader); None: ``read``'s records gathered into batches.
     """
 
     read: Callable[[IngestConfig], Iterator[SeqRecord]]
@@ -36,6 +39,11 @@ class Format:
     rollout_field: str
     train_field: str | None
     checked: str
+    batches: Callable[[IngestConfig], Iterator[SeqBatch]] | None = None
+
+    def read_batches(self, cfg: IngestConfig) -> Iterator[SeqBatch]:
+        """The responses of ``cfg``'s steps as ``SeqBatch`` es, steps ascending."""
+        return self.batches(cfg) if self.batches is not None else from_records(self.read(cfg))
 
     @property
     def needs_model(self) -> bool:
@@ -50,6 +58,7 @@ FORMATS: dict[str, Format] = {
         "inference_logprobs",
         "trainer_logprobs",
         "PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/token_export.py",
+        lambda c: prime_rl.read_batches(c.path, c.steps),
     ),
     "nemo-rl": Format(
         lambda c: nemo_rl.read(c.path, c.steps),
@@ -82,6 +91,7 @@ FORMATS: dict[str, Format] = {
         "rollout_log_probs",
         "old_log_probs",
         "volcengine/verl verl/protocol.py, verl/trainer/ppo/ray_trainer.py",
+        lambda c: verl_dp.read_batches(c.path, c.steps, c.trust_pickle),
     ),
     "skyrl": Format(
         lambda c: skyrl.read(c.path, c.steps, c.trust_pickle),
@@ -90,6 +100,7 @@ FORMATS: dict[str, Format] = {
         "rollout_logprobs",
         "action_log_probs",
         "NovaSky-AI/SkyRL skyrl/train/trainer.py, skyrl/backends/skyrl_train/training_batch.py",
+        lambda c: skyrl.read_batches(c.path, c.steps, c.trust_pickle),
     ),
     "probe": Format(
         lambda c: probe_format.read(c.path, c.steps),
@@ -98,6 +109,7 @@ FORMATS: dict[str, Format] = {
         "rollout_logprob",
         "train_logprob",
         "mismatch_probe/ingest/hook.py (ProbeWriter)",
+        lambda c: probe_format.read_batches(c.path, c.steps),
     ),
 }
 

@@ -28,7 +28,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest import jsonl
+from mismatch_probe.ingest.batches import SeqBatch, batch_of
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -49,6 +55,17 @@ SCHEMA_VERSIONS = (1,)
 STABLE = "STABLE"
 _STEP_DIR = re.compile(r"step_(\d+)$")
 _RANK_FILE = re.compile(r"rank_(\d+)\.jsonl$")
+_ARRAYS = ("token_ids", "loss_mask", "inference_logprobs", "trainer_logprobs")
+_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int64()),
+        ("token_ids", pa.list_(pa.int64())),
+        ("loss_mask", pa.list_(pa.bool_())),
+        ("inference_logprobs", pa.list_(pa.float64())),
+        ("trainer_logprobs", pa.list_(pa.float64())),
+    ]
+)
+_OPTIONAL = {"sample_id": (pa.string(), pa.int64())}  # not in schema 1; newer exports
 DEFAULT_MAX_OFF_POLICY = 8  # OrchestratorConfig.max_off_policy_steps in the source above
 
 
@@ -92,15 +109,76 @@ def step_dirs(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
     return chosen
 
 
+def rank_files(directory: Path) -> list[Path]:
+    """A step directory's ``rank_<R>.jsonl`` files, in rank order."""
+    found = ((int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_FILE.match(p.name)))
+    return [p for _, p in sorted(found)]
+
+
 def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
-    """Every trained sequence of the chosen steps, rank files in rank order."""
+    """Every trained sequence of the chosen steps, rank files in rank order (one record per
+    JSON line: the reference reader, and where the fast one finds something to say)."""
     for step, directory in step_dirs(path, steps):
-        files = sorted(
-            (int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_FILE.match(p.name))
-        )
-        for _, file in files:
-            for number, obj in iter_json_lines(file):
-                yield _record(obj, step, f"{file}:{number}")
+        for file in rank_files(directory):
+            yield from read_file_records(file, step)
+
+
+def read_file_records(file: Path, step: int) -> Iterator[SeqRecord]:
+    for number, obj in iter_json_lines(file):
+        yield _record(obj, step, f"{file}:{number}")
+
+
+def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
+    """``read`` as one ``SeqBatch`` per rank file (``read_file``), the next files parsed on
+    other cores while a batch is written."""
+    files = [(step, f) for step, d in step_dirs(path, steps) for f in rank_files(d)]
+    yield from jsonl.prefetched(files, read_file)
+
+
+def read_file(file: Path, step: int) -> SeqBatch:
+    """One rank file of one step -> a ``SeqBatch`` (the records ``read`` yields for it, the
+    same values), parsed by pyarrow's JSON reader; a file it cannot read as expected (an
+    error to report, an unusual type) goes through the reference reader instead."""
+    fast = jsonl.read_table(file, _SCHEMA, optional=_OPTIONAL)
+    batch = _batch(fast, file, step) if fast is not None else None
+    return batch if batch is not None else batch_of(list(read_file_records(file, step)))
+
+
+def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
+    """The fast path's checks and masks; None where the reference reader must decide."""
+    version = table.column("schema_version")
+    if version.null_count or not pc.all(pc.is_in(version, pa.array(SCHEMA_VERSIONS))).as_py():
+        return None
+    cols = {n: jsonl.flat_list(table.column(n)) for n in _ARRAYS}
+    if any(c is None for c in cols.values()):
+        return None
+    offsets = cols["token_ids"][1]  # type: ignore[index]
+    if any(not np.array_equal(c[1], offsets) for c in cols.values()):  # type: ignore[index]
+        return None  # unequal lengths: the reference reader names the line
+    tokens, mask_values = (cols[n][0] for n in ("token_ids", "loss_mask"))  # type: ignore[index]
+    if tokens.dtype.kind != "i" or mask_values.dtype != np.bool_:
+        return None
+    mask = mask_values.copy()
+    lengths = np.diff(offsets)
+    mask[offsets[:-1][lengths > 0]] = False  # index 0 has no log-prob (a pad value)
+    kept = jsonl.masked(mask, offsets)
+    if kept is None:
+        return None  # a line whose mask selects no token: an error the reference reader names
+    keep, counts, positions = kept
+    keys = jsonl.group_keys(table, "sample_id", len(lengths))
+    if keys is None:
+        return None
+    rollout, train = (cols[n][0] for n in ("inference_logprobs", "trainer_logprobs"))  # type: ignore[index]
+    return SeqBatch(
+        step=step,
+        sources=[f"{file}:{i}" for i in range(1, len(lengths) + 1)],
+        prompt_keys=keys,
+        lengths=counts,
+        token_ids=tokens[keep].astype(np.int64),
+        positions=positions,
+        rollout=np.asarray(rollout, np.float64)[keep],
+        train=np.asarray(train, np.float64)[keep],
+    )
 
 
 def _record(obj: dict[str, Any], step: int, where: str) -> SeqRecord:

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.batches import SeqBatch, batch_of
 from mismatch_probe.ingest.hook import (
     FORMAT_KEY,
     FORMAT_NAME,
@@ -105,6 +106,62 @@ def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
         if carry is not None and carry.num_rows:
             yield from _records(carry, step, file)
         yield from _untrained(pf, seen, step, file)
+
+
+def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
+    """``read`` in columns: each chunk of a file's rows is one ``SeqBatch`` (its sequences'
+    rows are already the token rows), then the file's untrained rows as empty responses."""
+    yield from _file_batches(path, steps)
+
+
+def _file_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
+    for step, file in step_files(path, steps):
+        pf = _open(file)
+        carry: pa.Table | None = None
+        seen: set[int] = set()
+        try:
+            for batch in pf.iter_batches(ROWS_PER_READ, columns=PROBE_SCHEMA.names):
+                table = pa.Table.from_batches([batch])
+                table = pa.concat_tables([carry, table]) if carry is not None else table
+                seq = table.column("sequence").to_numpy()
+                seen.update(np.unique(seq).tolist())
+                tail = _last_run_start(seq)
+                if tail:
+                    yield _columns(table.slice(0, tail), step, file)
+                carry = table.slice(tail)
+        except pa.ArrowException as exc:
+            raise ProbeError(f"{file} is corrupt ({exc})") from None
+        if carry is not None and carry.num_rows:
+            yield _columns(carry, step, file)
+        empty = list(_untrained(pf, seen, step, file))
+        if empty:
+            yield batch_of(empty)
+
+
+def _columns(table: pa.Table, step: int, file: Path) -> SeqBatch:
+    """The records ``_records`` yields for ``table``, as one batch (the same checks)."""
+    cols = {name: table.column(name) for name in PROBE_SCHEMA.names}
+    for name in _INT_COLUMNS:
+        if cols[name].null_count:
+            raise ProbeError(f"{file}: column {name} holds nulls (every trained token has one)")
+    seq = cols["sequence"].to_numpy()
+    steps = cols["step"].to_numpy()
+    if np.any(steps != step):
+        raise ProbeError(f"{file}: rows of step {int(steps[steps != step][0])} in step_{step}/")
+    bounds = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1], True])
+    starts = bounds[:-1]
+    groups = cols["group"].take(pa.array(starts)).to_pylist()
+    value = lambda k, t: np.asarray(cols[k].to_numpy(zero_copy_only=False), dtype=t)  # noqa: E731
+    return SeqBatch(
+        step=step,
+        sources=[f"{file} sequence {int(i)}" for i in seq[starts]],
+        prompt_keys=groups,
+        lengths=np.diff(bounds).astype(np.int64),
+        token_ids=value("token_id", np.int64),
+        positions=value("position", np.int64),
+        rollout=value("rollout_logprob", np.float64),
+        train=value("train_logprob", np.float64),
+    )
 
 
 def _untrained(pf: pq.ParquetFile, seen: set[int], step: int, file: Path) -> Iterator[SeqRecord]:

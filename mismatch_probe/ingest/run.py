@@ -15,16 +15,20 @@ section. ``probe metrics/report/compare/check`` read it like a scan.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mismatch_probe import interrupt, store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.formats import Format, get_format
-from mismatch_probe.ingest.records import IngestConfig, SeqRecord
+from mismatch_probe.ingest.records import IngestConfig
 from mismatch_probe.ingest.writer import Counts, RunStoreWriter
 
 
@@ -35,6 +39,8 @@ class IngestResult:
     metrics: dict[str, float]
     steps: dict[int, dict[str, float]]
     report: Any  # report.RunContext
+    # seconds of each stage: "store" (read and write), "metrics" (with integrity), "reports"
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def check_out(out: Path) -> None:
@@ -59,8 +65,8 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
         store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp,
         _named_as(tmp, cfg.out),
     ):
-        run, metrics, steps, ctx = _ingest_into(tmp, cfg, fmt)
-    return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out))
+        run, metrics, steps, ctx, timings = _ingest_into(tmp, cfg, fmt)
+    return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out), timings)
 
 
 def _never(path: Path) -> bool:
@@ -84,22 +90,27 @@ def _named_as(tmp: Path, out: Path) -> Iterator[None]:
 
 def _ingest_into(
     tmp: Path, cfg: IngestConfig, fmt: Format
-) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any]:
-    from mismatch_probe.metrics import compute_metrics
-    from mismatch_probe.metrics.steps import compute_step_metrics
+) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any, dict[str, float]]:
     from mismatch_probe.report import write_outputs
     from mismatch_probe.rundir.loader import load_report
     from mismatch_probe.rundir.trend import write_steps
 
+    clock = [time.perf_counter()]
+    timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        clock.append(time.perf_counter())
+        timings[name] = clock[-1] - clock[-2]
+
     with interrupt.stage("reading"):
         off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
-    model_dir, tokenizer, records = _sources(cfg, fmt)
+    model_dir, tokenizer, batches = _sources(cfg, fmt)
     run = run_metadata(cfg, fmt, off_policy, model_dir)
     writer = RunStoreWriter(tmp, run, tokenizer)
     with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
         try:
-            for record in records:
-                writer.add(record)
+            for batch in batches:
+                writer.add_batch(batch)
         finally:
             counts = writer.close()
     if counts.tokens == 0:
@@ -107,23 +118,56 @@ def _ingest_into(
     run["counts"] = _counts(counts)
     run["mask_rules"] = counts.mask_rules()
     store.write_json(tmp / store.RUN_FILE, run)
+    lap("store")
     with interrupt.stage("metrics"):
-        metrics = compute_metrics(tmp / store.TOKENS_FILE)
+        metrics, by_step, integrity = measure(tmp / store.TOKENS_FILE, run)
         store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
-        steps = compute_step_metrics(tmp / store.TOKENS_FILE)
+        steps = by_step
         write_steps(tmp, steps, metrics.config.describe())
+    lap("metrics")
     with interrupt.stage("reports"):
-        ctx, entries = load_report(tmp)
+        ctx, entries = load_report(tmp, integrity=integrity)
         write_outputs(ctx, entries)
-    return run, metrics.flat(), steps, ctx
+    lap("reports")
+    return run, metrics.flat(), steps, ctx, timings
 
 
-def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqRecord]]:
-    """The model directory and tokenizer (with ``--model``) and the record stream, rescored
-    when the format has no training side."""
-    records = fmt.read(cfg)
+def measure(tokens: Path, run: dict[str, Any]) -> tuple[Any, dict[int, Any], Any]:
+    """The run's metrics, each step's and the integrity findings, in one pass over the store:
+    the metric engine reads each batch once (``metrics.steps.compute_by_step``, on every
+    core) and hands it to the integrity checks, which run beside it in a thread of their own
+    (``metrics.integrity.compute_integrity`` on those batches)."""
+    from mismatch_probe.metrics.integrity import compute_integrity
+    from mismatch_probe.metrics.steps import compute_by_step
+
+    batches: queue.Queue[Any] = queue.Queue(maxsize=4)
+    found: dict[str, Any] = {}
+
+    def check() -> None:
+        try:
+            found["integrity"] = compute_integrity(tokens, run, iter(batches.get, None))
+        except BaseException as exc:  # re-raised by the caller, after the pass
+            found["error"] = exc
+            while batches.get() is not None:  # keep the metric pass from blocking
+                pass
+
+    thread = threading.Thread(target=check, name="ingest-integrity", daemon=True)
+    thread.start()
+    try:
+        metrics, steps = compute_by_step(tokens, on_table=batches.put)
+    finally:
+        batches.put(None)
+        thread.join()
+    if "error" in found:
+        raise found["error"]
+    return metrics, steps, found["integrity"]
+
+
+def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqBatch]]:
+    """The model directory and tokenizer (with ``--model``) and the responses in batches,
+    rescored when the format has no training side."""
     if cfg.model is None:
-        return None, None, records
+        return None, None, fmt.read_batches(cfg)
     from mismatch_probe import models
     from mismatch_probe.ingest.rescoring import rescored
     from mismatch_probe.sampling import SamplingSpec
@@ -135,8 +179,9 @@ def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator
         model = rescore.load_model(model_dir, cfg.train_dtype) if fmt.needs_model else None
     if model is not None:
         spec = SamplingSpec(temperature=cfg.temperature)
-        records = rescored(records, model, spec, cfg.train_dtype, cfg.batch_tokens)
-    return model_dir, tokenizer, records
+        records = rescored(fmt.read(cfg), model, spec, cfg.train_dtype, cfg.batch_tokens)
+        return model_dir, tokenizer, from_records(records)
+    return model_dir, tokenizer, fmt.read_batches(cfg)
 
 
 def _tokenizer(model_dir: Path) -> Any:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
+from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -147,6 +149,52 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
     """Every response of each chosen dump, one dump in memory at a time."""
     pickles.refuse_untrusted(path, "SkyRL .pkl dumps", trust_pickle)
     for step, file in dump_files(path, steps):
+        yield from _rows(file, step, _Dump.load(file))
+
+
+def read_batches(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[SeqBatch]:
+    """``read`` in columns: each dump is one ``SeqBatch`` (its masks turned into the trained
+    tokens by one ``nonzero``); a dump whose masks hold other values than 0/1 goes through
+    ``read``'s rows, which name the row."""
+    pickles.refuse_untrusted(path, "SkyRL .pkl dumps", trust_pickle)
+    for step, file in dump_files(path, steps):
+        d = _Dump.load(file)
+        masks = np.stack([d.loss_mask[: d.rows], d.response_mask[: d.rows]])
+        if masks.size and not np.all(np.isin(masks, (0.0, 1.0))):
+            yield from from_records(_rows(file, step, d))
+            continue
+        rows, cols = np.nonzero((masks[0] == 1.0) & (masks[1] == 1.0))
+        first = d.width - d.response_mask[: d.rows].sum(axis=1).astype(np.int64)
+        yield SeqBatch(
+            step=step,
+            sources=[f"{file} row {i}" for i in range(d.rows)],
+            prompt_keys=d.groups,
+            lengths=np.bincount(rows, minlength=d.rows).astype(np.int64),
+            token_ids=d.sequences[:, -d.width :][rows, cols],
+            positions=(cols - first[rows]).astype(np.int64),
+            rollout=d.rollout[rows, cols],
+            train=d.train[rows, cols],
+        )
+
+
+@dataclass(frozen=True)
+class _Dump:
+    """One dump's ``[B, R]`` arrays, checked; ``rows`` without the padding rows."""
+
+    rollout: np.ndarray
+    train: np.ndarray
+    loss_mask: np.ndarray
+    response_mask: np.ndarray
+    sequences: np.ndarray
+    rows: int
+    groups: list[str | None]
+
+    @property
+    def width(self) -> int:
+        return int(self.rollout.shape[1])
+
+    @classmethod
+    def load(cls, file: Path) -> _Dump:
         tensors, metadata = load_dump(file)
         rollout = pickles.batch_matrix(tensors, "rollout_logprobs", file, np.float64, _NO_ROLLOUT)
         train = pickles.batch_matrix(tensors, "action_log_probs", file, np.float64, _NO_TRAIN)
@@ -161,22 +209,25 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
                              f"responses {list(rollout.shape)}")  # fmt: skip
         rows = rollout.shape[0] - _pad_size(metadata, rollout.shape[0], file)
         groups = _groups(metadata, rows, file)
-        for i in range(rows):
-            where = f"{file} row {i}"
-            trained = as_bool_mask(loss_mask[i], "loss_mask", where)
-            trained &= as_bool_mask(response_mask[i], "response_mask", where)
-            keep = np.flatnonzero(trained)
-            first = width - int(response_mask[i].sum())  # the response's first column
-            yield SeqRecord(
-                step=step,
-                source=where,
-                prompt_key=groups[i],
-                token_ids=sequences[i, -width:][keep],
-                positions=keep - first,
-                rollout=rollout[i][keep],
-                train=train[i][keep],
-            )
-        del tensors
+        return cls(rollout, train, loss_mask, response_mask, sequences, rows, groups)
+
+
+def _rows(file: Path, step: int, d: _Dump) -> Iterator[SeqRecord]:
+    for i in range(d.rows):
+        where = f"{file} row {i}"
+        trained = as_bool_mask(d.loss_mask[i], "loss_mask", where)
+        trained &= as_bool_mask(d.response_mask[i], "response_mask", where)
+        keep = np.flatnonzero(trained)
+        first = d.width - int(d.response_mask[i].sum())  # the response's first column
+        yield SeqRecord(
+            step=step,
+            source=where,
+            prompt_key=d.groups[i],
+            token_ids=d.sequences[i, -d.width :][keep],
+            positions=keep - first,
+            rollout=d.rollout[i][keep],
+            train=d.train[i][keep],
+        )
 
 
 def off_policy(path: Path) -> dict[str, Any]:

@@ -38,6 +38,7 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import pickles
+from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -139,30 +140,67 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
     """Every response of each chosen dump, one dump in memory at a time."""
     pickles.refuse_untrusted(path, "verl .dp dumps", trust_pickle)
     for step, file in dump_files(path, steps):
-        batch, non_tensor = load_dump(file)
-        responses = _numpy(batch, "responses", file, np.int64)
-        rollout = _numpy(batch, "rollout_log_probs", file, np.float64)
-        train = _numpy(batch, "old_log_probs", file, np.float64)
-        mask, mask_key = _mask(batch, responses.shape[1], file)
-        check_shapes(file, responses=responses, **{mask_key: mask},
-                     rollout_log_probs=rollout, old_log_probs=train)  # fmt: skip
-        uids = non_tensor.get("uid")
-        if uids is not None and (not hasattr(uids, "__len__") or len(uids) != len(responses)):
-            count = len(uids) if hasattr(uids, "__len__") else "no list of"
-            raise ProbeError(f"{file}: {count} uids for {len(responses)} responses")
-        for i in range(len(responses)):
-            where = f"{file} row {i}"
-            keep = np.flatnonzero(as_bool_mask(mask[i], mask_key, where))
-            yield SeqRecord(
-                step=step,
-                source=where,
-                prompt_key=None if uids is None else str(uids[i]),
-                token_ids=responses[i][keep],
-                positions=keep,
-                rollout=rollout[i][keep],
-                train=train[i][keep],
-            )
-        del batch, non_tensor
+        yield from _rows(file, step, *_step_arrays(file))
+
+
+def _step_arrays(
+    file: Path,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str, Any]:
+    """``(responses, rollout, train, mask, mask name, uids)`` of one dump, checked."""
+    batch, non_tensor = load_dump(file)
+    responses = _numpy(batch, "responses", file, np.int64)
+    rollout = _numpy(batch, "rollout_log_probs", file, np.float64)
+    train = _numpy(batch, "old_log_probs", file, np.float64)
+    mask, mask_key = _mask(batch, responses.shape[1], file)
+    check_shapes(file, responses=responses, **{mask_key: mask},
+                 rollout_log_probs=rollout, old_log_probs=train)  # fmt: skip
+    uids = non_tensor.get("uid")
+    if uids is not None and (not hasattr(uids, "__len__") or len(uids) != len(responses)):
+        count = len(uids) if hasattr(uids, "__len__") else "no list of"
+        raise ProbeError(f"{file}: {count} uids for {len(responses)} responses")
+    return responses, rollout, train, mask, mask_key, uids
+
+
+def _rows(
+    file: Path, step: int, responses: np.ndarray, rollout: np.ndarray, train: np.ndarray,
+    mask: np.ndarray, mask_key: str, uids: Any,
+) -> Iterator[SeqRecord]:  # fmt: skip
+    for i in range(len(responses)):
+        where = f"{file} row {i}"
+        keep = np.flatnonzero(as_bool_mask(mask[i], mask_key, where))
+        yield SeqRecord(
+            step=step,
+            source=where,
+            prompt_key=None if uids is None else str(uids[i]),
+            token_ids=responses[i][keep],
+            positions=keep,
+            rollout=rollout[i][keep],
+            train=train[i][keep],
+        )
+
+
+def read_batches(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[SeqBatch]:
+    """``read`` in columns: each dump is one ``SeqBatch``, its ``[B, R]`` masks turned into the
+    trained tokens by one ``nonzero``; a dump whose mask holds other values than 0/1 goes
+    through ``read``, which names the row."""
+    pickles.refuse_untrusted(path, "verl .dp dumps", trust_pickle)
+    for step, file in dump_files(path, steps):
+        arrays = _step_arrays(file)
+        responses, rollout, train, mask, _, uids = arrays
+        if mask.size and not np.all(np.isin(mask, (0.0, 1.0))):
+            yield from from_records(_rows(file, step, *arrays))
+            continue
+        rows, cols = np.nonzero(mask)
+        yield SeqBatch(
+            step=step,
+            sources=[f"{file} row {i}" for i in range(len(responses))],
+            prompt_keys=[None if uids is None else str(uids[i]) for i in range(len(responses))],
+            lengths=np.bincount(rows, minlength=len(responses)).astype(np.int64),
+            token_ids=responses[rows, cols],
+            positions=cols.astype(np.int64),
+            rollout=rollout[rows, cols],
+            train=train[rows, cols],
+        )
 
 
 def off_policy(path: Path) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""Stream ``SeqRecord`` s into a run's ``tokens.parquet`` and ``sequences.parquet``.
+"""Stream responses (``batches.SeqBatch`` es, or ``SeqRecord`` s one at a time) into a run's
+``tokens.parquet`` and ``sequences.parquet``, column by column (no Python object per token).
 
-Records are buffered until ``store.ROW_GROUP_TOKENS`` tokens or a new step, then written as one
-row group: a row group never splits a sequence and never mixes steps, so the ``step`` column's
-footer statistics locate each step exactly (``store.step_row_groups``). Memory is one row group.
+Responses are buffered until ``store.ROW_GROUP_TOKENS`` tokens or a new step, then written as one
+row group (a batch is cut where its responses, added one by one, would have closed one): a
+row group never splits a sequence and never mixes steps, so the ``step`` column's footer
+statistics locate each step exactly (``store.step_row_groups``). Memory is one row group.
 
 The token store is the scan's schema (``store.TOKEN_SCHEMA``) with a ``step`` column and
 without ``setting`` and ``support_flip`` (an ingested run has one source and no flip flags);
@@ -30,7 +32,8 @@ import pyarrow.parquet as pq
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.ingest.records import SeqRecord, turns_from_positions
+from mismatch_probe.ingest.batches import SeqBatch, batch_of, segment_turns
+from mismatch_probe.ingest.records import SeqRecord
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 _FIELDS = {f.name: f for f in store.TOKEN_SCHEMA}
@@ -81,7 +84,10 @@ class Counts:
 
 
 class RunStoreWriter:
-    """``add`` records (steps ascending), then ``close``; see the module docstring."""
+    """``add_batch`` (or ``add``) responses, steps ascending, then ``close``; see the module
+    docstring. A batch is written in the row groups the records it holds would have been
+    written in one by one: a row group closes once it holds ``store.ROW_GROUP_TOKENS`` tokens
+    or before a new step."""
 
     def __init__(self, out: Path, run: dict[str, Any], tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
@@ -94,7 +100,7 @@ class RunStoreWriter:
         self.seqs = pq.ParquetWriter(
             out / store.SEQUENCES_FILE, SEQUENCE_SCHEMA.with_metadata(meta), compression="zstd"
         )
-        self.buffer: list[tuple[SeqRecord, int, int, int]] = []
+        self.buffer: list[_Piece] = []
         self.buffered = 0
         self.prompts: dict[str, int] = {}  # this step's group keys -> prompt_id
         self.samples: dict[int, int] = {}  # this step's prompt_id -> responses so far
@@ -103,91 +109,114 @@ class RunStoreWriter:
         self.empty_steps: set[int] = set()  # steps with an empty record
 
     def add(self, record: SeqRecord) -> None:
-        for rule in record.mask_rules:
-            seen = self.counts.rules.setdefault((rule.rule, rule.applied, rule.detail), [0, 0])
-            seen[0] += int(rule.tokens > 0)
-            seen[1] += rule.tokens
-        if len(record.token_ids) == 0:
-            self.counts.empty_sequences += 1
-            self.empty_steps.add(record.step)
+        self.add_batch(batch_of([record]))
+
+    def add_batch(self, batch: SeqBatch) -> None:
+        """Add the responses of one step (see ``SeqBatch``)."""
+        self._count_rules(batch)
+        keep = np.flatnonzero(batch.lengths > 0)
+        if len(keep) < batch.num_seqs:
+            self.counts.empty_sequences += batch.num_seqs - len(keep)
+            self.empty_steps.add(batch.step)
+        if not len(keep):
             return
+        self._start_step(batch.step)
+        _check_int32(batch)
+        ids = self._ids(batch, keep)
+        lengths = batch.lengths[keep]
+        first = self.counts.sequences
+        self.counts.sequences += len(keep)
+        done = 0  # responses placed; a row group closes after the one that fills it
+        while done < len(keep):
+            filled = np.cumsum(lengths[done:])
+            reach = int(np.searchsorted(filled, store.ROW_GROUP_TOKENS - self.buffered))
+            stop = min(done + reach + 1, len(keep))
+            self.buffer.append(_Piece(batch, keep[done:stop], first + done, ids[:, done:stop]))
+            self.buffered += int(filled[stop - done - 1])
+            done = stop
+            if self.buffered >= store.ROW_GROUP_TOKENS:
+                self.flush()
+
+    def _count_rules(self, batch: SeqBatch) -> None:
+        for rules in batch.mask_rules:
+            for rule in rules:
+                key = (rule.rule, rule.applied, rule.detail)
+                seen = self.counts.rules.setdefault(key, [0, 0])
+                seen[0] += int(rule.tokens > 0)
+                seen[1] += rule.tokens
+
+    def _start_step(self, step: int) -> None:
         steps = self.counts.steps
-        if steps and record.step != steps[-1]:
-            if record.step < steps[-1]:
+        if steps and step != steps[-1]:
+            if step < steps[-1]:
                 raise AssertionError("readers yield steps in ascending order")
             self.flush()
             self.prompts.clear()
             self.samples.clear()
-        if not steps or record.step != steps[-1]:
-            steps.append(record.step)
-        _check_int32(record)
-        prompt_id = self._prompt_id(record)
-        sample_id = self.samples.get(prompt_id, 0)
-        self.samples[prompt_id] = sample_id + 1
-        self.buffer.append((record, self.counts.sequences, prompt_id, sample_id))
-        self.counts.sequences += 1
-        self.buffered += len(record.token_ids)
-        if self.buffered >= store.ROW_GROUP_TOKENS:
-            self.flush()
+        if not steps or step != steps[-1]:
+            steps.append(step)
 
-    def _prompt_id(self, record: SeqRecord) -> int:
-        """A new id per (step, key); a keyless record is a prompt of its own."""
-        key = record.prompt_key
-        if key is not None and key in self.prompts:
-            return self.prompts[key]
-        prompt_id, self.next_prompt = self.next_prompt, self.next_prompt + 1
-        if key is not None:
-            self.prompts[key] = prompt_id
-        return prompt_id
+    def _ids(self, batch: SeqBatch, keep: np.ndarray) -> np.ndarray:
+        """``[2, S']`` prompt_id and sample_id of the kept responses: a new prompt id per
+        (step, key), a keyless response a prompt of its own; samples counted per prompt."""
+        out = np.zeros((2, len(keep)), dtype=np.int64)
+        keys = batch.prompt_keys
+        for j, i in enumerate(keep.tolist()):
+            key = keys[i]
+            prompt = self.prompts.get(key) if key is not None else None
+            if prompt is None:
+                prompt, self.next_prompt = self.next_prompt, self.next_prompt + 1
+                if key is not None:
+                    self.prompts[key] = prompt
+            sample = self.samples.get(prompt, 0)
+            self.samples[prompt] = sample + 1
+            out[0, j], out[1, j] = prompt, sample
+        return out
 
     def flush(self) -> None:
         if not self.buffer:
             return
-        recs = [r for r, *_ in self.buffer]
-        turns = [turns_from_positions(r.positions) if r.turn is None else r.turn for r in recs]
-        lengths = np.array([len(r.token_ids) for r in recs], dtype=np.int64)
-        per_seq = lambda i, dtype: np.repeat(  # noqa: E731
-            np.array([b[i] for b in self.buffer], dtype=dtype), lengths
-        )
-        token_ids = np.concatenate([r.token_ids for r in recs]).astype(np.int32)
-        rollout = np.concatenate([r.rollout for r in recs])
-        train = np.concatenate([r.train for r in recs if r.train is not None])
+        parts = [p.columns() for p in self.buffer]
+        cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        lengths = cat["lengths"]
+        token_ids = cat["token_id"].astype(np.int32)
+        rollout, train = cat["rollout"], cat["train"]
         columns: dict[str, Any] = {
-            "step": np.repeat(np.array([r.step for r in recs], np.int64), lengths),
-            "seq_id": per_seq(1, np.int64),
-            "prompt_id": per_seq(2, np.int64),
-            "sample_id": per_seq(3, np.int32),
-            "position": np.concatenate([r.positions for r in recs]).astype(np.int32),
+            "step": np.repeat(cat["step"], lengths),
+            "seq_id": np.repeat(cat["seq_id"], lengths),
+            "prompt_id": np.repeat(cat["prompt_id"], lengths),
+            "sample_id": np.repeat(cat["sample_id"].astype(np.int32), lengths),
+            "position": cat["position"].astype(np.int32),
             "token_id": token_ids,
             "rollout_logprob": _nullable(rollout),
             "train_logprob": _nullable(train),
             "train_entropy": pa.nulls(len(token_ids), pa.float32()),
-            "turn": np.concatenate(turns).astype(np.int32),
+            "turn": cat["turn"].astype(np.int32),
         }
         if self.tokenizer is not None:
             from mismatch_probe.prompts import decode_tokens
 
             columns["token_text"] = decode_tokens(self.tokenizer, token_ids)
         self.tokens.write_table(pa.table(columns, schema=self.token_schema))
-        num_turns = [int(t.max()) + 1 for t in turns]
-        self.seqs.write_table(self._sequence_table(recs, lengths, num_turns))
+        self.seqs.write_table(self._sequence_table(cat))
         self.counts.tokens += len(token_ids)
         self.counts.null_logprobs += int((~np.isfinite(rollout) | ~np.isfinite(train)).sum())
         self.buffer, self.buffered = [], 0
 
-    def _sequence_table(
-        self, recs: list[SeqRecord], lengths: np.ndarray, num_turns: list[int]
-    ) -> pa.Table:
+    def _sequence_table(self, cat: dict[str, np.ndarray]) -> pa.Table:
+        first = np.concatenate([[0], np.cumsum(cat["lengths"])[:-1]]).astype(np.int64)
+        turns = cat["turn"]
+        num_turns = np.maximum.reduceat(turns, first) + 1 if len(turns) else turns
         return pa.table(
             {
-                "step": [r.step for r in recs],
-                "seq_id": [b[1] for b in self.buffer],
-                "prompt_id": [b[2] for b in self.buffer],
-                "sample_id": [b[3] for b in self.buffer],
-                "prompt_key": [r.prompt_key for r in recs],
-                "source": [r.source for r in recs],
-                "response_length": lengths.astype(np.int32),
-                "num_turns": num_turns,
+                "step": cat["step"],
+                "seq_id": cat["seq_id"],
+                "prompt_id": cat["prompt_id"],
+                "sample_id": cat["sample_id"].astype(np.int32),
+                "prompt_key": [k for p in self.buffer for k in p.prompt_keys()],
+                "source": [s for p in self.buffer for s in p.sources()],
+                "response_length": cat["lengths"].astype(np.int32),
+                "num_turns": num_turns.astype(np.int32),
             },
             schema=self.seqs.schema,
         )
@@ -200,14 +229,69 @@ class RunStoreWriter:
         return self.counts
 
 
-def _check_int32(record: SeqRecord) -> None:
-    """Token ids and positions fit the store's int32 columns; else one line naming the record."""
-    for name, values in (("token id", record.token_ids), ("position", record.positions)):
+@dataclass(frozen=True)
+class _Piece:
+    """Responses ``rows`` (indices into ``batch``) waiting for the next row group, with their
+    ``seq_id`` s (from ``first``) and ``[2, k]`` prompt and sample ids."""
+
+    batch: SeqBatch
+    rows: np.ndarray
+    first: int
+    ids: np.ndarray
+
+    def columns(self) -> dict[str, np.ndarray]:
+        b, rows = self.batch, self.rows
+        off = b.offsets
+        lengths = b.lengths[rows]
+        lo, hi = int(off[rows[0]]), int(off[rows[-1] + 1])
+        if hi - lo == int(lengths.sum()):  # contiguous: slices, no gather
+            take: Any = slice(lo, hi)
+        else:
+            take = np.concatenate([np.arange(off[i], off[i + 1]) for i in rows.tolist()])
+        positions = b.positions[take]
+        turn = b.turn[take] if b.turn is not None else segment_turns(positions, lengths)
+        train = b.train[take] if b.train is not None else np.full(len(positions), np.nan)
+        return {
+            "lengths": lengths,
+            "step": np.full(len(rows), b.step, dtype=np.int64),
+            "seq_id": np.arange(self.first, self.first + len(rows), dtype=np.int64),
+            "prompt_id": self.ids[0],
+            "sample_id": self.ids[1],
+            "position": positions,
+            "token_id": b.token_ids[take],
+            "rollout": np.asarray(b.rollout[take], dtype=np.float64),
+            "train": np.asarray(train, dtype=np.float64),
+            "turn": turn,
+        }
+
+    def prompt_keys(self) -> list[str | None]:
+        return [self.batch.prompt_keys[i] for i in self.rows.tolist()]
+
+    def sources(self) -> list[str]:
+        return [self.batch.sources[i] for i in self.rows.tolist()]
+
+
+def _check_int32(batch: SeqBatch) -> None:
+    """Token ids and positions fit the store's int32 columns; else one line naming the first
+    response (in order) that holds one, token ids checked before positions."""
+    bad = {}
+    for name, values in (("token id", batch.token_ids), ("position", batch.positions)):
         values = np.asarray(values)
         outside = (values < 0) | (values > INT32_MAX)
         if outside.any():
+            bad[name] = (values, outside)
+    if not bad:
+        return
+    seq_of = np.repeat(np.arange(batch.num_seqs), batch.lengths)
+    first = min(int(seq_of[np.argmax(o)]) for _, o in bad.values())
+    for name in ("token id", "position"):
+        if name not in bad:
+            continue
+        values, outside = bad[name]
+        here = outside & (seq_of == first)
+        if here.any():
             raise ProbeError(
-                f"{record.source}: {name} {int(values[outside][0])} is outside "
+                f"{batch.sources[first]}: {name} {int(values[here][0])} is outside "
                 f"0..{INT32_MAX} (the store holds int32; a cast would store another number)"
             )
 

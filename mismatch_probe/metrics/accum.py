@@ -4,6 +4,11 @@ Every metric module accumulates float64 sums, counts, maxima and mergeable momen
 pairwise update, so a standard deviation over 20,000 sequences or a Pearson correlation over
 10 million tokens is exact to rounding and independent of how rows are split into batches).
 Nothing here keeps per-token or per-sequence lists.
+
+Merging: every accumulator has ``merge(other)``, which adds another accumulator's state as if
+its batches had come next (sums added, extremes combined, ``Moments`` replaying the other's
+batch statistics). The metric engine computes each batch into a fresh accumulator (on any core)
+and merges them in batch order: the exact arithmetic of one serial pass.
 """
 
 from __future__ import annotations
@@ -20,8 +25,28 @@ FLOAT_MAX = sys.float_info.max  # an overflowing metric is reported as this, and
 DEGENERATE_VAR = 1e-20  # a per-item variance below this counts as zero (constant list)
 
 
+def merge_sums(target: object, other: object, names: tuple[str, ...]) -> None:
+    """``target.x += other.x`` for each name (floats, ints or arrays), in ``names`` order."""
+    for name in names:
+        setattr(target, name, getattr(target, name) + getattr(other, name))
+
+
+def merge_extremes(target: object, other: object, maxes: tuple[str, ...],
+                   mins: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """``target.x = max(target.x, other.x)`` for ``maxes``, ``min`` for ``mins``."""
+    for name in maxes:
+        setattr(target, name, max(getattr(target, name), getattr(other, name)))
+    for name in mins:
+        setattr(target, name, min(getattr(target, name), getattr(other, name)))
+
+
 class Moments:
-    """Count, mean, sum of squared deviations, min and max of a stream of values."""
+    """Count, mean, sum of squared deviations, min and max of a stream of values.
+
+    ``merge`` replays the other stream's batches (``parts``: each ``add``'s batch statistics) in
+    their order, with the formula ``add`` applies, so a stream split into per-batch partial
+    accumulators and merged in batch order equals the serial one bit for bit.
+    """
 
     def __init__(self) -> None:
         self.n = 0
@@ -29,19 +54,29 @@ class Moments:
         self.m2 = 0.0
         self.min = math.inf
         self.max = -math.inf
+        self.parts: list[tuple[int, float, float, float, float]] = []
 
     def add(self, x: np.ndarray) -> None:
         """Merge the values ``x`` (``[k]``) into the running moments."""
         if len(x) == 0:
             return
         nb, mb = len(x), float(np.mean(x))
+        part = (nb, mb, float(np.sum((x - mb) ** 2)), float(np.min(x)), float(np.max(x)))
+        self.parts.append(part)
+        self._add(*part)
+
+    def _add(self, nb: int, mb: float, ss: float, lo: float, hi: float) -> None:
         n = self.n + nb
         delta = mb - self.mean
-        self.m2 += float(np.sum((x - mb) ** 2)) + delta * delta * self.n * nb / n
+        self.m2 += ss + delta * delta * self.n * nb / n
         self.mean += delta * nb / n
         self.n = n
-        self.min = min(self.min, float(np.min(x)))
-        self.max = max(self.max, float(np.max(x)))
+        self.min = min(self.min, lo)
+        self.max = max(self.max, hi)
+
+    def merge(self, other: Moments) -> None:
+        for part in other.parts:
+            self._add(*part)
 
     def std(self) -> float:
         """Unbiased (n-1) standard deviation; 0 for fewer than two values."""
@@ -53,12 +88,14 @@ class Moments:
 
 
 class CoMoments:
-    """Count, means and co-moments of a stream of (x, y) pairs: correlation and LS slope."""
+    """Count, means and co-moments of a stream of (x, y) pairs: correlation and LS slope.
+    ``merge`` replays the other stream's batches, as ``Moments.merge``."""
 
     def __init__(self) -> None:
         self.n = 0
         self.mx = self.my = 0.0
         self.sxx = self.syy = self.sxy = 0.0
+        self.parts: list[tuple[int, float, float, float, float, float]] = []
 
     def add(self, x: np.ndarray, y: np.ndarray) -> None:
         """Merge the pairs ``(x[k], y[k])``."""
@@ -66,15 +103,25 @@ class CoMoments:
             return
         nb, mxb, myb = len(x), float(np.mean(x)), float(np.mean(y))
         dxb, dyb = x - mxb, y - myb
+        # elementwise products, not BLAS dot: pairwise-summed and free of thread start-up cost
+        sums = (float((dxb * dxb).sum()), float((dyb * dyb).sum()), float((dxb * dyb).sum()))
+        part = (nb, mxb, myb, *sums)
+        self.parts.append(part)
+        self._add(*part)
+
+    def _add(self, nb: int, mxb: float, myb: float, sxx: float, syy: float, sxy: float) -> None:
         n = self.n + nb
         dx, dy, w = mxb - self.mx, myb - self.my, self.n * nb / n
-        # elementwise products, not BLAS dot: pairwise-summed and free of thread start-up cost
-        self.sxx += float((dxb * dxb).sum()) + dx * dx * w
-        self.syy += float((dyb * dyb).sum()) + dy * dy * w
-        self.sxy += float((dxb * dyb).sum()) + dx * dy * w
+        self.sxx += sxx + dx * dx * w
+        self.syy += syy + dy * dy * w
+        self.sxy += sxy + dx * dy * w
         self.mx += dx * nb / n
         self.my += dy * nb / n
         self.n = n
+
+    def merge(self, other: CoMoments) -> None:
+        for part in other.parts:
+            self._add(*part)
 
     def _flat(self, s: float) -> bool:
         return s <= DEGENERATE_VAR * max(self.n, 1)
@@ -137,6 +184,9 @@ class Counts:
         self.tokens += int(b.m.sum())
         self.seqs += b.num_seqs
         self.valid_seqs += int((b.n > 0).sum())
+
+    def merge(self, other: Counts) -> None:
+        merge_sums(self, other, ("tokens", "seqs", "valid_seqs"))
 
     def scalars(self) -> dict[str, float]:
         return {

@@ -209,3 +209,63 @@ def per_batch(fn: Callable[[TokenBatch, Any], T]) -> Callable[[TokenBatch, Any],
         return b.memo[key]
 
     return cached
+
+
+# Per-token arrays several modules need, computed once per batch (callers must not modify them).
+
+
+@per_batch
+def clamped_r(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``clampB(r)``."""
+    return clamp_b(b.r)
+
+
+@per_batch
+def clamped_k3(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``k3 = expm1(rs) - rs`` on ``rs = clampB(r)``."""
+    rs = clamped_r(b, None)
+    return np.expm1(rs) - rs
+
+
+@per_batch
+def probs(b: TokenBatch, _: None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``([N], [N])`` ``prob(train)``, ``prob(rollout)``."""
+    return prob(b.train), prob(b.rollout)
+
+
+@per_batch
+def abs_prob_diff(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``|prob(train) - prob(rollout)|``."""
+    p_train, p_rollout = probs(b, None)
+    return np.abs(p_train - p_rollout)
+
+
+@per_batch
+def valid_float(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` float64 1.0 at valid rows, 0.0 at padding."""
+    return b.m.astype(np.float64)
+
+
+@per_batch
+def positions_ascending(b: TokenBatch, _: None = None) -> bool:
+    """True when each sequence's rows come in non-decreasing position order (our writers'
+    order), so a sequence's first row by position is its first row."""
+    if len(b.position) < 2:
+        return True
+    inside = np.ones(len(b.position) - 1, dtype=bool)
+    inside[b.starts[1:] - 1] = False
+    return bool(np.all(np.diff(b.position)[inside] >= 0))
+
+
+def first_rows(b: TokenBatch, rows: np.ndarray) -> np.ndarray:
+    """``[N]`` bool: among ``rows``, the one of smallest position in each sequence (ties: the
+    first in row order)."""
+    idx = np.flatnonzero(rows)
+    first = np.zeros(len(rows), dtype=bool)
+    if not len(idx):
+        return first
+    if not positions_ascending(b, None):
+        idx = idx[np.lexsort((b.position[idx], b.seg[idx]))]
+    seg = b.seg[idx]
+    first[idx[np.r_[True, seg[1:] != seg[:-1]]]] = True
+    return first

@@ -25,10 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import CoMoments, Counts
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, prob
-from mismatch_probe.metrics.diagnostics import prob_abs_diff
-from mismatch_probe.metrics.rejection import ESTIMATORS
+from mismatch_probe.metrics.accum import CoMoments, Counts, merge_sums
+from mismatch_probe.metrics.batch import TokenBatch, abs_prob_diff, clamped_k3, probs
 
 LOG_RATIO_RANGE = (-3.0, 3.0)
 LOG_RATIO_BINS = 121
@@ -77,6 +75,11 @@ class BinnedStats:
         for name in _BIN_SUMS:
             self.sums[name] += np.bincount(idx, weights=values[name], minlength=self.nbins)
 
+    def merge(self, other: BinnedStats) -> None:
+        self.count = self.count + other.count
+        for name in _BIN_SUMS:
+            self.sums[name] = self.sums[name] + other.sums[name]
+
     def rows(self) -> list[dict[str, Any]]:
         total = float(self.sums["abs_log_ratio"].sum())
         out = []
@@ -114,13 +117,14 @@ class CurvesAccumulator:
         self.hist += np.histogram(r, bins=LOG_RATIO_BINS, range=LOG_RATIO_RANGE)[0]
         self.under += int((r < lo).sum())
         self.over += int((r > hi).sum())
-        p_rollout, p_train = prob(b.rollout[m]), prob(b.train[m])
+        p_train_all, p_rollout_all = probs(b, None)
+        p_rollout, p_train = p_rollout_all[m], p_train_all[m]
         self.hist2d += prob_hist2d(p_rollout, p_train)
         values = {
             "log_ratio": r,
             "abs_log_ratio": np.abs(r),
-            "k3": ESTIMATORS["k3"](clamp_b(r)),
-            "prob_abs_diff": prob_abs_diff(b.train[m], b.rollout[m]),
+            "k3": clamped_k3(b, None)[m],
+            "prob_abs_diff": abs_prob_diff(b, None)[m],
         }
         self.by_position.add(b.position[m], values)
         self.by_prob.add(p_rollout, values)
@@ -143,12 +147,16 @@ class CurvesAccumulator:
         valid = b.n > 0
         length, s = b.n[valid], b.s[valid]
         self.line.add(length / 1000.0, s)
-        keys, ids, lengths, sums = self.sample
-        keys = np.concatenate([keys, seq_hash(b.seq_id[valid])])
-        ids = np.concatenate([ids, b.seq_id[valid]])
-        lengths, sums = np.concatenate([lengths, length]), np.concatenate([sums, s])
-        keep = np.argsort(keys, kind="stable")[:SEQ_SAMPLE]
-        self.sample = (keys[keep], ids[keep], lengths[keep], sums[keep])
+        batch = (seq_hash(b.seq_id[valid]), b.seq_id[valid], length, s)
+        self.sample = _keep_sample(self.sample, batch)
+
+    def merge(self, other: CurvesAccumulator) -> None:
+        merge_sums(self, other, ("hist", "under", "over", "hist2d"))
+        self.by_position.merge(other.by_position)
+        self.by_prob.merge(other.by_prob)
+        self.worst = sorted(self.worst + other.worst, key=_worst_key)[:WORST_TOKENS]
+        self.line.merge(other.line)
+        self.sample = _keep_sample(self.sample, other.sample)
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         return {"seq_log_ratio_slope_per_1k": self.line.slope()}
@@ -176,6 +184,17 @@ class CurvesAccumulator:
                 "log_ratio_sum": sums[order].tolist(),
             },
         }
+
+
+Sample = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _keep_sample(held: Sample, new: Sample) -> Sample:
+    """The ``SEQ_SAMPLE`` sequences of smallest hash among ``held`` then ``new`` (each
+    ``(keys, seq_ids, lengths, log-ratio sums)``); ties keep that order."""
+    keys, ids, lengths, sums = (np.concatenate([a, b]) for a, b in zip(held, new, strict=True))
+    keep = np.argsort(keys, kind="stable")[:SEQ_SAMPLE]
+    return (keys[keep], ids[keep], lengths[keep], sums[keep])
 
 
 def _token_record(b: TokenBatch, row: int) -> dict[str, Any]:

@@ -35,9 +35,17 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts, mmean
-from mismatch_probe.metrics.batch import EPS, TokenBatch, clamp_b, per_batch, seg_max, seg_mean
-from mismatch_probe.metrics.rejection import ESTIMATORS
+from mismatch_probe.metrics.accum import Counts, merge_sums, mmean
+from mismatch_probe.metrics.batch import (
+    EPS,
+    TokenBatch,
+    clamp_b,
+    clamped_k3,
+    clamped_r,
+    per_batch,
+    seg_max,
+    seg_mean,
+)
 
 CLIP_EPS = (0.2, 0.28)
 RATIO_THRESHOLDS = (1.2, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -53,7 +61,7 @@ def clip_key(eps: float) -> str:
 @per_batch
 def _rho(b: TokenBatch, _: None = None) -> np.ndarray:
     """``[N]`` ``rho = exp(clampB(r))`` (memoised on the batch)."""
-    return np.exp(clamp_b(b.r))
+    return np.exp(clamped_r(b, None))
 
 
 @per_batch
@@ -65,7 +73,7 @@ def _seq_weight(b: TokenBatch, _: None = None) -> np.ndarray:
 @per_batch
 def token_k3(b: TokenBatch, _: None = None) -> np.ndarray:
     """``[N]`` ``k3 = expm1(rs) - rs`` on ``rs = clampB(r)`` (memoised: outliers share it)."""
-    return ESTIMATORS["k3"](clamp_b(b.r))
+    return clamped_k3(b, None)
 
 
 @per_batch
@@ -135,6 +143,9 @@ class DecisionAccumulator:
         self.hist += np.histogram(s, bins=SEQ_WEIGHT_BINS, range=SEQ_WEIGHT_RANGE)[0]
         self.under += int((s < lo).sum())
         self.over += int((s > hi).sum())
+
+    def merge(self, other: DecisionAccumulator) -> None:
+        merge_sums(self, other, ("n_clip", "n_tok", "n_seq", "hist", "under", "over"))
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         pairs = zip(CLIP_EPS, self.n_clip, strict=True)

@@ -20,9 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import CoMoments, Counts, mmean
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, prob, seg_max
-from mismatch_probe.metrics.rejection import ESTIMATORS
+from mismatch_probe.metrics.accum import CoMoments, Counts, merge_extremes, merge_sums, mmean
+from mismatch_probe.metrics.batch import (
+    TokenBatch,
+    abs_prob_diff,
+    clamped_k3,
+    prob,
+    probs,
+    seg_max,
+)
 
 SPEC_TAUS = (1.01, 1.1, 1.5, 2.0, 5.0, 10.0)
 TAU_GRID = (1.001, 1.003, 1.01, 1.03, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 100.0)
@@ -64,7 +70,7 @@ class DiagnosticsAccumulator:
     def update(self, b: TokenBatch) -> None:
         m = b.m
         r = b.r[m]
-        dp_all = prob_abs_diff(b.train, b.rollout)
+        dp_all = abs_prob_diff(b, None)
         dp = dp_all[m]
         abs_r = np.abs(r)
         self.sum_abs_r += float(abs_r.sum())
@@ -75,17 +81,25 @@ class DiagnosticsAccumulator:
         seq_dp = seg_max(b, dp_all)
         self.sum_seq_dp_max += float(seq_dp.sum())
         self.n_seq_dp_high += int((seq_dp > SEQ_DP_LIMIT).sum())
-        self.probs.add(prob(b.train[m]), prob(b.rollout[m]))
+        p_train, p_rollout = probs(b, None)
+        self.probs.add(p_train[m], p_rollout[m])
         spread = ratio_spread(r)
         self.n_tau += [int((spread > tau).sum()) for tau in TAU_GRID]
         self.n_ipo += [int((dp > eps).sum()) for eps in IPO_EPS]
         if self.has_flip and b.flip is not None:
-            k3 = ESTIMATORS["k3"](clamp_b(r))
+            k3 = clamped_k3(b, None)[m]
             flip = b.flip[m]
             self.sum_k3 += float(k3.sum())
             self.n_flip += float(flip.sum())
             self.flip_abs_r += float(abs_r[flip].sum())
             self.flip_k3 += float(k3[flip].sum())
+
+    def merge(self, other: DiagnosticsAccumulator) -> None:
+        merge_sums(self, other, ("sum_abs_r", "sum_dp", "sum_seq_dp_max", "n_seq_dp_high",
+                                 "n_tau", "n_ipo", "sum_k3", "n_flip", "flip_abs_r",
+                                 "flip_k3"))  # fmt: skip
+        merge_extremes(self, other, ("max_abs_r", "max_dp"))
+        self.probs.merge(other.probs)
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         n, s = counts.tokens, counts.seqs

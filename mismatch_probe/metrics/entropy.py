@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b
-from mismatch_probe.metrics.rejection import ESTIMATORS
+from mismatch_probe.metrics.accum import Counts, merge_sums
+from mismatch_probe.metrics.batch import TokenBatch, clamped_k3
 
 # Edges (last bin open): 0, log-spaced from 1e-6 to 0.1 nats (confident tokens), then every
 # 0.005 nats up to 16 (ln of a 8.9M-token vocabulary): fine enough for deciles of any model.
@@ -50,10 +49,15 @@ class EntropyAccumulator:
         h = np.maximum(b.entropy[ok], 0.0)  # a rounding error below 0 counts as 0
         r = b.r[ok]
         idx = np.clip(np.searchsorted(GRID, h, side="right") - 1, 0, len(GRID) - 1)
-        values = {"entropy": h, "abs_log_ratio": np.abs(r), "k3": ESTIMATORS["k3"](clamp_b(r))}
+        values = {"entropy": h, "abs_log_ratio": np.abs(r), "k3": clamped_k3(b, None)[ok]}
         self.count += np.bincount(idx, minlength=len(GRID))
         for name in _SUMS:
             self.sums[name] += np.bincount(idx, weights=values[name], minlength=len(GRID))
+
+    def merge(self, other: EntropyAccumulator) -> None:
+        merge_sums(self, other, ("count",))
+        for name in _SUMS:
+            self.sums[name] = self.sums[name] + other.sums[name]
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         n = int(self.count.sum())

@@ -329,7 +329,9 @@ def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
     return seq, pos, values[0], values[1], valid, flip
 
 
-def compute_integrity(path: Path | str, run: Mapping[str, Any] | None = None) -> Integrity:
+def compute_integrity(
+    path: Path | str, run: Mapping[str, Any] | None = None, tables: Iterable[pa.Table] | None = None
+) -> Integrity:
     """Every integrity check of a token store in one streaming pass (per step when the store
     has a ``step`` column).
 
@@ -337,6 +339,9 @@ def compute_integrity(path: Path | str, run: Mapping[str, Any] | None = None) ->
         path: a run directory or a token store (file or a sharded scan's ``tokens/``).
         run: the run metadata (``run.json``): ``kind == "ingest"`` enables
             ``trainer_copies_rollout``; ``mask_rules`` gives the ``mask_rule`` findings.
+        tables: the store's batches as ``store.iter_sequence_batches`` yields them (with at
+            least these columns), when the caller reads them anyway (``probe ingest``'s one
+            pass); None: read here.
     """
     run = run or {}
     path = resolve_tokens_path(Path(path))
@@ -346,7 +351,7 @@ def compute_integrity(path: Path | str, run: Mapping[str, Any] | None = None) ->
     columns = [*METRIC_COLUMNS, *extra]
     whole = IntegrityAccumulator()
     per_step: dict[int, IntegrityAccumulator] = {}
-    for table in iter_sequence_batches(path, columns):
+    for table in iter_sequence_batches(path, columns) if tables is None else tables:
         arrays = _columns(table)
         whole.update(*arrays)
         if not has_step:

@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts, Moments, capped, mmean
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, seg_mean
+from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mmean
+from mismatch_probe.metrics.batch import TokenBatch, clamp_b, per_batch, seg_mean
 
 PPL_KEYS = ("training_ppl", "rollout_ppl", "ppl_ratio")
+_OFFPOLICY_SUMS = ("sum_neg_r", "sum_k3", "sum_rho2", "sum_ppl_train", "sum_lppl_train",
+                   "sum_ppl_rollout", "sum_lppl_rollout", "sum_abs_d", "sum_exp_d",
+                   "sum_rho2_seq")  # fmt: skip
 
 
 def k3_terms(r: np.ndarray) -> np.ndarray:
     """Per-token ``exp(r) - r - 1`` (as ``expm1(r) - r``); ``+inf`` where ``exp(r)`` overflows."""
     with np.errstate(over="ignore"):
         return np.expm1(r) - r
+
+
+@per_batch
+def batch_k3(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``k3_terms(r)`` (memoised: the per-turn metrics share it)."""
+    return k3_terms(b.r)
 
 
 class OffPolicyAccumulator:
@@ -39,7 +48,7 @@ class OffPolicyAccumulator:
     def update(self, b: TokenBatch) -> None:
         m = b.m
         self.sum_neg_r += float((b.rollout - b.train)[m].sum())
-        self.sum_k3 += float(k3_terms(b.r[m]).sum())
+        self.sum_k3 += float(batch_k3(b, None)[m].sum())
         self.sum_rho2 += float((np.exp(clamp_b(b.r[m])) ** 2).sum())
         mean_train, mean_rollout = seg_mean(b, b.train), seg_mean(b, b.rollout)
         d = mean_rollout - mean_train
@@ -52,6 +61,10 @@ class OffPolicyAccumulator:
         self.d.add(d)
         self.sum_abs_d += float(np.abs(d).sum())
         self.sum_rho2_seq += float(np.exp(2.0 * clamp_b(b.s)).sum())
+
+    def merge(self, other: OffPolicyAccumulator) -> None:
+        merge_sums(self, other, _OFFPOLICY_SUMS)
+        self.d.merge(other.d)
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         n, s = counts.tokens, counts.seqs

@@ -74,6 +74,10 @@ class OutlierAccumulator:
             "worst_abs_log_ratio": float(abs(b.r[worst])),
         }
 
+    def merge(self, other: OutlierAccumulator) -> None:
+        self.sums += other.sums
+        self.top = sorted(self.top + other.top, key=_rank_key)[:TOP_OUTLIERS]
+
     def _all_sums(self) -> np.ndarray:
         return np.concatenate(self.sums) if self.sums else np.zeros(0)
 

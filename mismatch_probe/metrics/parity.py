@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts, Moments, capped, mmean
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, seg_mean
+from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mmean
+from mismatch_probe.metrics.batch import TokenBatch, clamp_b, first_rows, per_batch, seg_mean
 from mismatch_probe.metrics.offpolicy import k3_terms
 
 DIFFERENT_ABS_LOG_RATIO = 1e-6  # TorchTitan's bitwise-parity threshold on |r|
@@ -40,11 +40,13 @@ def mult_prob_error(r: np.ndarray) -> np.ndarray:
 
 def first_token_rows(b: TokenBatch) -> np.ndarray:
     """``[N]`` bool: the valid row of smallest position in each valid sequence."""
-    key = np.where(b.m, b.position, np.iinfo(np.int64).max)
-    order = np.lexsort((key, b.seg))  # rows by (sequence, position), padding last
-    first = np.zeros(len(b.m), dtype=bool)
-    first[order[b.starts]] = True  # sequences are contiguous: same start indices
-    return first & b.m
+    return first_rows(b, b.m)
+
+
+@per_batch
+def batch_mult(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``mult_prob_error(r)`` (memoised: the per-turn metrics share it)."""
+    return mult_prob_error(b.r)
 
 
 class ParityAccumulator:
@@ -60,7 +62,7 @@ class ParityAccumulator:
     def update(self, b: TokenBatch) -> None:
         m = b.m
         r = b.r[m]
-        mult = mult_prob_error(b.r)
+        mult = batch_mult(b, None)
         self.sum_mult += float(mult[m].sum())
         self.sum_k3_rev += float(k3_terms(-r).sum())
         self.n_identical += int((b.train[m] == b.rollout[m]).sum())
@@ -72,6 +74,11 @@ class ParityAccumulator:
         self.rest_sum += float(np.abs(b.r[rest]).sum())
         self.first_n += int(first.sum())
         self.rest_n += int(rest.sum())
+
+    def merge(self, other: ParityAccumulator) -> None:
+        merge_sums(self, other, ("sum_mult", "sum_k3_rev", "n_identical", "n_different",
+                                 "first_sum", "rest_sum", "first_n", "rest_n"))  # fmt: skip
+        self.seq_mult.merge(other.seq_mult)
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         n = counts.tokens

@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts, eff_sample_size, mmean
-from mismatch_probe.metrics.batch import TokenBatch
-from mismatch_probe.metrics.config import PresetSpec
+from mismatch_probe.metrics.accum import Counts, eff_sample_size, merge_sums, mmean
+from mismatch_probe.metrics.batch import TokenBatch, per_batch, valid_float
+from mismatch_probe.metrics.config import ISSpec, PresetSpec
 from mismatch_probe.metrics.presets import PRESET_PREFIX
 from mismatch_probe.metrics.rejection import dropped_seqs, rs_keep
 from mismatch_probe.metrics.weights import is_weights
 
 
+@per_batch
+def _clipped(b: TokenBatch, spec: ISSpec) -> np.ndarray:
+    """``[N]`` the truncated IS weights clamped to ``[0, U]`` (presets of one IS spec share it)."""
+    return np.clip(is_weights(b, spec)[1], 0.0, spec.upper)
+
+
 def effective_weights(b: TokenBatch, preset: PresetSpec) -> np.ndarray:
     """``[N]`` float64 ``w_eff`` (0 at padding), already clamped to ``[0, U]``."""
-    if preset.is_spec is None:
-        w = b.m.astype(np.float64)
-    else:
-        w = np.clip(is_weights(b, preset.is_spec)[1], 0.0, preset.is_spec.upper)
+    w = valid_float(b, None) if preset.is_spec is None else _clipped(b, preset.is_spec)
     return w * rs_keep(b, preset.rs_specs) if preset.rs_specs else w
 
 
@@ -49,6 +52,9 @@ class PresetAccumulator:
         kept = (c != 0.0) | ~b.m
         self.n_masked += int((~kept).sum())
         self.n_seq_masked += int(dropped_seqs(b, kept).sum())
+
+    def merge(self, other: PresetAccumulator) -> None:
+        merge_sums(self, other, ("sum_c", "sum_c2", "n_masked", "n_seq_masked"))
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         p = f"{PRESET_PREFIX}{self.preset.name}"

@@ -18,10 +18,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts, Moments, clamped_std, mmean
+from mismatch_probe.metrics.accum import (
+    Counts,
+    Moments,
+    clamped_std,
+    merge_extremes,
+    merge_sums,
+    mmean,
+)
 from mismatch_probe.metrics.batch import (
     TokenBatch,
-    clamp_b,
+    clamped_k3,
+    clamped_r,
     per_batch,
     seg_max,
     seg_mean,
@@ -60,13 +68,19 @@ AGGREGATIONS: dict[str, Aggregation] = {
 
 
 @per_batch
+def _estimate(b: TokenBatch, estimator: str) -> np.ndarray:
+    """``[N]`` one estimator on ``clampB(r)`` (memoised: options share it)."""
+    return clamped_k3(b, None) if estimator == "k3" else ESTIMATORS[estimator](clamped_r(b, None))
+
+
+@per_batch
 def option_stats(b: TokenBatch, spec: RSSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One option on one batch.
 
     Returns:
         ``(token_stat [N], v [S_b], keep [N] bool)``; ``keep`` is also True at padding rows.
     """
-    stat, v = AGGREGATIONS[spec.aggregation](b, ESTIMATORS[spec.estimator](clamp_b(b.r)))
+    stat, v = AGGREGATIONS[spec.aggregation](b, _estimate(b, spec.estimator))
     keep = stat <= spec.hi
     if spec.lo is not None:
         keep &= stat >= spec.lo
@@ -83,7 +97,9 @@ def rs_keep(b: TokenBatch, specs: tuple[RSSpec, ...]) -> np.ndarray:
 
 def dropped_seqs(b: TokenBatch, keep: np.ndarray) -> np.ndarray:
     """``[S_b]`` bool: sequences with at least one valid token that ``keep`` drops."""
-    return np.bincount(b.seg, weights=~keep, minlength=b.num_seqs) > 0
+    out = np.zeros(b.num_seqs, dtype=bool)
+    out[b.seg[~keep]] = True
+    return out
 
 
 class OptionAccumulator:
@@ -123,6 +139,12 @@ class OptionAccumulator:
         self.n_drop += int((~keep).sum())
         self.n_seq_drop += int(dropped_seqs(b, keep).sum())
         return keep
+
+    def merge(self, other: OptionAccumulator) -> None:
+        merge_sums(self, other, ("sum_stat", "sum_c", "sum_c2", "n_tok_high", "n_tok_low",
+                                 "n_v_high", "n_v_low", "n_drop", "n_seq_drop"))  # fmt: skip
+        merge_extremes(self, other, ("tok_max", "v_absmax"), ("tok_min",))
+        self.v.merge(other.v)
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         p, n, nv = f"rollout_rs_{self.spec.option}", counts.tokens, counts.valid_seqs
@@ -167,6 +189,11 @@ class RSAccumulator:
             keep &= option.update(b)
         self.n_drop += int((~keep).sum())
         self.n_seq_drop += int(dropped_seqs(b, keep).sum())
+
+    def merge(self, other: RSAccumulator) -> None:
+        for mine, theirs in zip(self.options, other.options, strict=True):
+            mine.merge(theirs)
+        merge_sums(self, other, ("n_drop", "n_seq_drop"))
 
     def scalars(self, counts: Counts) -> dict[str, float]:
         out: dict[str, float] = {}

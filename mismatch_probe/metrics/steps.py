@@ -1,21 +1,41 @@
 """Metrics per training step of a store with a ``step`` column (``probe ingest`` runs).
 
 The steps come from the row groups' footer statistics; a row group whose minimum and maximum
-differ (a foreign writer mixed steps) is read for its ``step`` column alone. Each step's metrics
-are one ``compute_metrics(..., step=N)`` call, which reads only the row groups that can hold
-the step, so all steps together cost about one pass over the file.
+differ (a foreign writer mixed steps) is read for its ``step`` column alone. ``compute_by_step``
+gives the run's metrics and every step's in one pass over the file (each batch computed once,
+on every core), equal to ``compute_metrics(..., step=N)`` of each step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.config import MetricsConfig
-from mismatch_probe.metrics.stream import compute_metrics
-from mismatch_probe.store import STEP_COLUMN, open_parquet, resolve_tokens_path, step_ranges
+from mismatch_probe.metrics.stream import (
+    OPTIONAL_COLUMNS,
+    MetricEngine,
+    MetricsResult,
+    check_settings,
+    compute_metrics,
+    select_setting,
+    table_partial,
+)
+from mismatch_probe.metrics.turns import prompt_lengths, rerender_scalars
+from mismatch_probe.parallel import ordered_map
+from mismatch_probe.store import (
+    METRIC_COLUMNS,
+    STEP_COLUMN,
+    iter_sequence_batches,
+    open_parquet,
+    resolve_tokens_path,
+    step_ranges,
+)
 
 
 def list_steps(path: Path | str) -> list[int]:
@@ -54,4 +74,96 @@ def compute_step_metrics(
     path: Path | str, config: MetricsConfig | None = None
 ) -> dict[int, dict[str, float]]:
     """``{step: flat metrics}`` for every step, ascending."""
-    return {s: compute_metrics(path, config, step=s).flat() for s in list_steps(path)}
+    return compute_by_step(path, config)[1]
+
+
+def compute_by_step(
+    path: Path | str,
+    config: MetricsConfig | None = None,
+    workers: int | None = None,
+    on_table: Callable[[pa.Table], None] | None = None,
+) -> tuple[MetricsResult, dict[int, dict[str, float]]]:
+    """The run's metrics and each step's flat metrics, in one pass over the store.
+
+    Every batch is computed once for the run; a batch that holds one step is that step's batch
+    too, and one that holds the end of a step and the start of the next (a sequence carried
+    over a row group) is also computed per step. The steps' batches are then those that
+    ``compute_metrics(path, step=N)`` reads, merged in the same order: the same numbers. A
+    step's engine is finished as soon as a batch of a later step arrives (memory: the steps in
+    flight, whatever the number of steps); a step seen again after that (a foreign writer's
+    unordered steps) is computed on its own at the end. ``on_table`` sees each batch as read
+    (``probe ingest`` feeds the integrity checks with it).
+    """
+    config = config or MetricsConfig()
+    path = resolve_tokens_path(Path(path))
+    names = open_parquet(path).schema_arrow.names
+    if STEP_COLUMN not in names:
+        raise ProbeError(f"{path} has no step column (not an ingested run)")
+    optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
+    run = MetricEngine(config, has_flip="support_flip" in names)
+    steps = _Steps(path, config, run.has_flip)
+    seen: set[str] = set()
+
+    def tables() -> Iterator[pa.Table]:
+        for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional, STEP_COLUMN]):
+            if on_table is not None:
+                on_table(table)
+            table = select_setting(table, None, seen)
+            if table.num_rows:
+                yield table
+
+    for whole, parts in ordered_map(lambda t: _step_partials(run, t), tables(), workers):
+        run.merge(whole)
+        steps.add(parts)
+    check_settings(path, None, seen)
+    covered = next(iter(seen)) if len(seen) == 1 else None
+    result = run.result(str(path), covered, steps.lengths, rerender_scalars(path, None))
+    return result, steps.finish(covered)
+
+
+class _Steps:
+    """The per-step engines in flight and the steps' finished flat metrics."""
+
+    def __init__(self, path: Path, config: MetricsConfig, has_flip: bool) -> None:
+        self.path, self.config, self.has_flip = path, config, has_flip
+        self.open: dict[int, MetricEngine] = {}
+        self.done: dict[int, dict[str, float]] = {}
+        self.again: set[int] = set()  # finished steps seen again: computed on their own
+        self.lengths = prompt_lengths(path, None)
+
+    def add(self, parts: list[tuple[int, MetricEngine]]) -> None:
+        for step in [s for s in self.open if s < min(p[0] for p in parts)]:
+            self._close(step, None)
+        for step, part in parts:
+            if step in self.done or step in self.again:
+                self.again.add(step)
+                continue
+            self.open.setdefault(step, MetricEngine(self.config, self.has_flip)).merge(part)
+
+    def _close(self, step: int, covered: str | None) -> None:
+        engine = self.open.pop(step)
+        source = f"{self.path} step {step}"
+        self.done[step] = engine.result(source, covered, self.lengths).flat()
+
+    def finish(self, covered: str | None) -> dict[int, dict[str, float]]:
+        for step in list(self.open):
+            self._close(step, covered)
+        for step in self.again:
+            self.done[step] = compute_metrics(self.path, self.config, step=step).flat()
+        return dict(sorted(self.done.items()))
+
+
+def _step_partials(
+    engine: MetricEngine, table: pa.Table
+) -> tuple[MetricEngine, list[tuple[int, MetricEngine]]]:
+    """The run's partial of a batch and its steps' (the same one for a batch of one step)."""
+    column = table.column(STEP_COLUMN)
+    whole = table_partial(engine, table)
+    values = np.asarray(pc.unique(column.drop_null()).to_pylist(), dtype=np.int64)
+    if len(values) == 1 and not column.null_count:
+        return whole, [(int(values[0]), whole)]  # the same rows: the same partial
+    return whole, [(int(s), table_partial(engine, _only(table, int(s)))) for s in sorted(values)]
+
+
+def _only(table: pa.Table, step: int) -> pa.Table:
+    return table.filter(pc.equal(table.column(STEP_COLUMN), step))

@@ -1,9 +1,13 @@
 """The one-pass metric engine over a token store.
 
 ``compute_metrics`` reads the store one row group at a time through
-``store.iter_sequence_batches`` (whole sequences per batch) and feeds every accumulator; memory
-is bounded by one row group plus fixed-size state (sums, moments, histograms, a 10-token heap and
-a 2,000-sequence sample), whatever the number of tokens.
+``store.iter_sequence_batches`` (whole sequences per batch). Each batch is computed on one of
+the cores into a fresh ``MetricEngine`` (``partial``: every accumulator of it) and merged into
+the run's engine in file order (``merge``): the batches, their order and the arithmetic of the
+merge are those of a serial pass, so the result is the same bit for bit on any number of cores
+(``parallel.ordered_map``). Memory is bounded by a few row groups in flight plus fixed-size
+state (sums, moments, histograms, a 10-token heap and a 2,000-sequence sample), whatever the
+number of tokens.
 
 The result is a ``MetricsResult``: ``flat()`` is one ``{name: float}`` dict, finite everywhere,
 with the spec's names (``kl``, ``rollout_is_mean``, ...) and ours (``f_tau_2``,
@@ -15,6 +19,7 @@ not flat keys (``STRUCTURED_KEYS`` names every non-flat key of ``metrics.json``)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +48,7 @@ from mismatch_probe.metrics.turns import (
     rerender_scalars,
 )
 from mismatch_probe.metrics.weights import ISAccumulator
+from mismatch_probe.parallel import ordered_map
 from mismatch_probe.store import (
     METRIC_COLUMNS,
     STEP_COLUMN,
@@ -71,6 +77,8 @@ def flat_part(data: dict[str, Any]) -> dict[str, float]:
 
 class Accumulator(Protocol):
     def update(self, b: TokenBatch) -> None: ...
+
+    def merge(self, other: Any) -> None: ...
 
     def scalars(self, counts: Counts) -> dict[str, float]: ...
 
@@ -108,6 +116,7 @@ class MetricEngine:
 
     def __init__(self, config: MetricsConfig, has_flip: bool) -> None:
         self.config = config
+        self.has_flip = has_flip
         self.counts = Counts()
         self.diagnostics = DiagnosticsAccumulator(has_flip)
         self.curves = CurvesAccumulator()
@@ -127,10 +136,24 @@ class MetricEngine:
 
     def update(self, b: TokenBatch, turn: np.ndarray | None = None) -> None:
         """Add a batch; ``turn``: ``[N]`` turn of each row (None: every row turn 0)."""
-        self.counts.update(b)
-        for part in self.parts:
+        self.merge(self.partial(b, turn))
+
+    def partial(self, b: TokenBatch, turn: np.ndarray | None = None) -> MetricEngine:
+        """A fresh engine that has seen ``b`` alone (no state of this one is read or changed,
+        so batches can be computed on any core); ``merge`` it in batch order."""
+        fresh = MetricEngine(self.config, self.has_flip)
+        fresh.counts.update(b)
+        for part in fresh.parts:
             part.update(b)
-        self.turns.update(b, turn if turn is not None else np.zeros(len(b.m), np.int64))
+        fresh.turns.update(b, turn if turn is not None else np.zeros(len(b.m), np.int64))
+        return fresh
+
+    def merge(self, other: MetricEngine) -> None:
+        """Add ``other``'s batches after this engine's (see ``accum``: the serial arithmetic)."""
+        self.counts.merge(other.counts)
+        for mine, theirs in zip(self.parts, other.parts, strict=True):
+            mine.merge(theirs)
+        self.turns.merge(other.turns)
 
     def result(
         self,
@@ -166,7 +189,7 @@ class MetricEngine:
         return MetricsResult(self.config, scalars, curves, tables)
 
 
-def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.Table:
+def select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.Table:
     if "setting" not in table.column_names:
         return table
     seen.update(pc.unique(table.column("setting")).to_pylist())
@@ -175,7 +198,7 @@ def _select_setting(table: pa.Table, setting: str | None, seen: set[str]) -> pa.
     return table.filter(pc.equal(table.column("setting"), setting))
 
 
-def _check_settings(path: Path, setting: str | None, seen: set[str]) -> None:
+def check_settings(path: Path, setting: str | None, seen: set[str]) -> None:
     if setting is None and len(seen) > 1:
         names = ", ".join(sorted(seen))
         raise ProbeError(f"{path} holds {len(seen)} settings ({names}); choose one with --setting")
@@ -189,6 +212,7 @@ def compute_metrics(
     config: MetricsConfig | None = None,
     setting: str | None = None,
     step: int | None = None,
+    workers: int | None = None,
 ) -> MetricsResult:
     """All metrics of a token store in one streaming pass.
 
@@ -200,6 +224,8 @@ def compute_metrics(
         setting: keep only rows of this ``setting``; required when the store holds several.
         step: keep only rows of this training ``step`` (stores written by ``probe ingest``);
             only the row groups whose statistics can hold it are read.
+        workers: threads computing batches (default: every core, ``parallel.workers``); the
+            result does not depend on it (batches merged in file order, see ``accum``).
 
     Raises:
         ProbeError: unreadable or unsuitable file, unknown setting, no valid token.
@@ -219,20 +245,29 @@ def compute_metrics(
     optional += [STEP_COLUMN] if step is not None else []
     engine = MetricEngine(config, has_flip="support_flip" in names)
     seen: set[str] = set()
-    for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional], groups):
-        if step is not None:
-            table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
-        table = _select_setting(table, setting, seen)
-        if table.num_rows:
-            turn = _turn_array(table)
-            engine.update(batch_from_table(table), turn)
-    _check_settings(path, setting, seen)
+
+    def tables() -> Iterator[pa.Table]:
+        for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional], groups):
+            if step is not None:
+                table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
+            table = select_setting(table, setting, seen)
+            if table.num_rows:
+                yield table
+
+    for part in ordered_map(lambda t: table_partial(engine, t), tables(), workers):
+        engine.merge(part)
+    check_settings(path, setting, seen)
     covered = setting if setting is not None or len(seen) != 1 else next(iter(seen))
     source = str(path) if step is None else f"{path} step {step}"
     lengths = prompt_lengths(path, setting)
     if step is not None:  # the sequences store of an ingested run has no per-step drift
         return engine.result(source, covered, lengths)
     return engine.result(source, covered, lengths, rerender_scalars(path, setting))
+
+
+def table_partial(engine: MetricEngine, table: pa.Table) -> MetricEngine:
+    """``engine.partial`` of one table of whole sequences (any thread)."""
+    return engine.partial(batch_from_table(table), _turn_array(table))
 
 
 def _turn_array(table: pa.Table) -> np.ndarray | None:

@@ -32,9 +32,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mismatch_probe.metrics.accum import capped, mmean
-from mismatch_probe.metrics.batch import TokenBatch
-from mismatch_probe.metrics.offpolicy import k3_terms
-from mismatch_probe.metrics.parity import mult_prob_error
+from mismatch_probe.metrics.batch import TokenBatch, first_rows
+from mismatch_probe.metrics.offpolicy import batch_k3
+from mismatch_probe.metrics.parity import batch_mult
 from mismatch_probe.store import SEQUENCES_DIR, SEQUENCES_FILE, TOKENS_DIR, TOKENS_FILE
 from mismatch_probe.store.dataset import part_files
 
@@ -52,8 +52,8 @@ class TurnAccumulator:
     def update(self, b: TokenBatch, turn: np.ndarray) -> None:
         """Add a batch; ``turn`` is ``[N]`` int64, the turn of each row."""
         m, r = b.m, b.r
-        k3 = k3_terms(r)
-        mult = mult_prob_error(r)
+        k3 = batch_k3(b, None)
+        mult = batch_mult(b, None)
         seq = b.seq_id[b.seg]
         for t in np.unique(turn).tolist():
             rows = turn == t
@@ -64,11 +64,18 @@ class TurnAccumulator:
             sums["neg_r"] += float(-r[valid].sum())
             sums["abs_r"] += float(np.abs(r[valid]).sum())
             sums["mult"] += float(mult[valid].sum())
-            first = _first_rows(b.seg, b.position, valid)
+            first = first_rows(b, valid)
             sums["first_abs"] += float(np.abs(r[first]).sum())
             sums["first_n"] += float(first.sum())
-            start = _first_rows(b.seg, b.position, rows)
+            start = first_rows(b, rows)
             self.starts.setdefault(int(t), []).append((seq[start], b.position[start]))
+
+    def merge(self, other: TurnAccumulator) -> None:
+        for t, sums in other.sums.items():
+            mine = self.sums.setdefault(t, dict.fromkeys(_SUMS, 0.0))
+            for key in _SUMS:
+                mine[key] += sums[key]
+            self.starts.setdefault(t, []).extend(other.starts[t])
 
     def rows(self, prompt_lengths: dict[int, int] | None) -> list[dict[str, Any]]:
         """``per_turn`` (see the module docstring), turns ascending."""
@@ -95,18 +102,6 @@ class TurnAccumulator:
                 }
             )
         return out
-
-
-def _first_rows(seg: np.ndarray, position: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``[N]`` bool: among ``rows``, the one of smallest position in each sequence."""
-    idx = np.flatnonzero(rows)
-    if not len(idx):
-        return np.zeros(len(rows), dtype=bool)
-    order = idx[np.lexsort((position[idx], seg[idx]))]
-    keep = np.r_[True, seg[order][1:] != seg[order][:-1]]
-    first = np.zeros(len(rows), dtype=bool)
-    first[order[keep]] = True
-    return first
 
 
 def _context_mean(

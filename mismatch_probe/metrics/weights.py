@@ -19,6 +19,8 @@ from mismatch_probe.metrics.accum import (
     clamped_std,
     eff_sample_size,
     exp_capped,
+    merge_extremes,
+    merge_sums,
     mmean,
 )
 from mismatch_probe.metrics.batch import (
@@ -95,6 +97,12 @@ class ISAccumulator:
         self.n_q_high += int((q_raw > spec.upper).sum())
         self.n_q_low += int((q_raw < spec.low).sum())
         self.q_valid_sum += float(q[b.n > 0].sum())
+
+    def merge(self, other: ISAccumulator) -> None:
+        merge_sums(self, other, ("sum_w", "sum_c", "sum_c2", "n_high", "n_low", "n_s_high",
+                                 "n_s_low", "n_q_high", "n_q_low", "q_valid_sum"))  # fmt: skip
+        merge_extremes(self, other, ("w_max", "s_max", "q_dev"), ("w_min", "s_min"))
+        self.q.merge(other.q)
 
     def _level_metrics(self, counts: Counts) -> dict[str, float]:
         """max/min/fraction_high/low: over tokens (token level) or sequences (sequence level)."""

@@ -79,8 +79,10 @@ def _after_engine(cfg: ScanConfig, prep: Prepared, llm: Any, run: RolloutRun, ti
 
 def _sampler(cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any) -> Produce:
     def sample(llm: Any, run: RolloutRun) -> tuple[list[rollout.Rollout], float]:
-        total = len(prep.prompts) * cfg.samples_per_prompt
-        bar = vllm_progress(progress, f"gen {run.setting.name}", total)
+        # multi-turn: one step per turn of every trajectory, so that every turn shows
+        total = turns.request_count(prep.prompts, cfg.samples_per_prompt)
+        unit = "turns" if turns.multi_turn(prep.prompts) else "responses"
+        bar = vllm_progress(progress, f"gen {run.setting.name}", total, unit)
         start = time.perf_counter()
         with interrupt.stage("generation"):
             rollouts = turns.generate(llm, prep.prompts, cfg.sampling, cfg.samples_per_prompt, bar)

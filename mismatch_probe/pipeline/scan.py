@@ -362,7 +362,9 @@ def prefix_cache(records: list[dict[str, Any]], setting: str) -> dict[str, Any]:
     ]  # fmt: skip
     if not found:
         return {}
-    return {"prefix_cache": {key: sum(f[key] for f in found) for key in found[0]}}
+    summed = {key: (max if key == "block_size" else sum)(f.get(key, 0) for f in found)
+              for key in found[0]}  # fmt: skip
+    return {"prefix_cache": summed}
 
 
 def range_fields(cfg: ScanConfig, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from mismatch_probe.rundir.context import (
 
 if TYPE_CHECKING:
     from mismatch_probe.metrics import MetricsConfig
+    from mismatch_probe.metrics.integrity import Integrity
 
 
 def load_report(
@@ -34,6 +35,7 @@ def load_report(
     order: list[str] | None = None,
     settings: tuple[str, ...] = (),
     integrity_errors: Sequence[str] = (),
+    integrity: Integrity | None = None,
 ) -> tuple[RunContext, list[Entry]]:
     """Load what a report shows: the run (its reference setting when the store holds several)
     and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
@@ -50,6 +52,8 @@ def load_report(
         integrity_errors: integrity checks known to have found an error beside the run's own
             (the run's store is checked here; its errors turn the recommendation into
             "investigate first").
+        integrity: the run's findings, when the caller computed them from this store in the
+            same pass as its metrics (``probe ingest``); None: computed here.
     """
     from dataclasses import replace
 
@@ -68,7 +72,8 @@ def load_report(
     reference = chosen[0]
     given = dict(computed or {})
     first = given.get(reference or names[0]) if names else None
-    integrity = run_integrity(run_dir, run)  # recomputed from the store
+    if integrity is None:
+        integrity = run_integrity(run_dir, run)  # recomputed from the store
     errors = list(dict.fromkeys([*integrity_errors, *integrity.error_checks()]))
     ctx = load_run(run_dir, metrics_config, reference, first, run, errors)
     ctx = replace(ctx, integrity=integrity)

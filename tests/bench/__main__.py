@@ -78,6 +78,18 @@ def _sharded_metrics() -> dict[str, Any]:
     return bench_sharded_metrics()
 
 
+def _ingest_duckdb() -> dict[str, Any]:
+    from tests.bench.duckdb_compare import bench_ingest_duckdb
+
+    return bench_ingest_duckdb()
+
+
+def _metrics_duckdb() -> dict[str, Any]:
+    from tests.bench.duckdb_compare import bench_metrics_duckdb
+
+    return bench_metrics_duckdb()
+
+
 # The CPU features that decide the speed of bf16 generation and rescoring.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -104,6 +116,8 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "scan": _scan,
     "metrics": _metrics,
     "ingest": _ingest,
+    "ingest_duckdb": _ingest_duckdb,
+    "metrics_duckdb": _metrics_duckdb,
     "attribution": _attribution,
     "sharded_scan": _sharded_scan,
     "sharded_metrics": _sharded_metrics,

@@ -22,16 +22,18 @@ RESPONSE = 500  # tokens per response (40 responses per step)
 PROMPT = 100
 
 
-def write_export(root: Path, steps: int, seed: int = 0) -> int:
+def write_export(
+    root: Path, steps: int, seed: int = 0, tokens_per_step: int = TOKENS_PER_STEP
+) -> int:
     """``root/token_exports/step_<N>/rank_0.jsonl`` + ``STABLE`` (prime-rl schema 1); returns
-    the trained tokens written."""
+    the trained tokens written (20 steps of 200,000: 168 MB of JSONL)."""
     rng = np.random.default_rng(seed)
     total = 0
     for step in range(1, steps + 1):
         d = root / "token_exports" / f"step_{step}"
         d.mkdir(parents=True)
         with (d / "rank_0.jsonl").open("w") as fh:
-            for i in range(TOKENS_PER_STEP // RESPONSE):
+            for i in range(tokens_per_step // RESPONSE):
                 n = PROMPT + RESPONSE
                 rollout = np.log(rng.uniform(0.01, 1.0, n)).round(6)
                 train = (rollout + rng.normal(0, 0.01 * step / steps, n)).round(6)

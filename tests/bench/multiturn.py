@@ -6,7 +6,9 @@ Each turn's request repeats the trajectory so far; the engine's prefix cache mus
 costing a prefill of the whole context each turn, and the training side scores each trajectory
 once. Generated lengths differ (a turn may stop early), so the comparison is per generated
 token: ``ratio = (multi-turn seconds / token) / (single-turn seconds / token)`` over generation
-and rescoring (the goal: within 1.5).
+and rescoring (the goal: within 1.3). Trajectories advance independently in the engine's
+request loop (``engine.turns``); ``prefix_cache`` says how many later-turn prompt tokens the
+cache held and why the rest was not held (new context, partial KV blocks, other).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from mismatch_probe.sampling import SamplingSpec
 PROMPTS = 8
 MAX_TOKENS = 32
 TURNS = 3
+REPEATS = 2  # A/B alternated, best of each
+GOAL = 1.3  # multi-turn seconds per token over single-turn
 # An agent's system prompt is long (tools, rules): its blocks are what the prefix cache keeps.
 SYSTEM = (
     "You are a storyteller agent. You write vivid, detailed stories with named characters, "
@@ -74,15 +78,24 @@ def _scan(lines: list[dict[str, Any]], max_tokens: int, tmp: Path, name: str) ->
 
 
 def bench_multiturn() -> dict[str, Any]:
+    """Both scans ``REPEATS`` times, alternated; the best of each kept (a shared machine)."""
+    import os
+
     multi, single = _conversations()
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    tries: dict[str, list[dict[str, Any]]] = {"multi": [], "single": []}
     with tempfile.TemporaryDirectory() as tmp:
-        three = _scan(multi, MAX_TOKENS, Path(tmp), "multi")
-        one = _scan(single, TURNS * MAX_TOKENS, Path(tmp), "single")
+        for k in range(REPEATS):
+            tries["multi"].append(_scan(multi, MAX_TOKENS, Path(tmp), f"multi{k}"))
+            tries["single"].append(_scan(single, TURNS * MAX_TOKENS, Path(tmp), f"single{k}"))
     total = lambda r: r["generation_seconds"] + r["rescoring_seconds"]  # noqa: E731
+    three, one = (min(tries[n], key=total) for n in ("multi", "single"))
     return {
         "prompts": PROMPTS,
         "ratio_seconds": total(three) / total(one),
         "multi_turn": {"turns": TURNS, "max_tokens_per_turn": MAX_TOKENS, **three},
         "single_turn": {"max_tokens": TURNS * MAX_TOKENS, **one},
         "ratio_seconds_per_token": three["seconds_per_token"] / one["seconds_per_token"],
+        "goal_ratio": GOAL,
+        "load": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
     }

@@ -1,0 +1,123 @@
+"""Vectorised JSONL: a file of one JSON object per line as an Arrow table, then numpy arrays.
+
+``read_table`` parses a whole file with pyarrow's JSON reader against an explicit schema (fields
+outside it are skipped unparsed), so no Python object is built per token. It answers None
+wherever the reference reader (``records.iter_json_lines`` and the format's record function)
+must decide instead: a line pyarrow cannot parse as the schema says (bad JSON, another type, a
+non-object line), blank lines or carriage returns (line numbers would differ), text that is not
+UTF-8. The readers then read that file record by record, with the same messages as ever; the
+fast path only ever gives the values the reference reader gives.
+
+``prefetched`` runs a per-file function on every core, in file order, a bounded number of files
+ahead (memory: a few files, whatever the number of steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pj
+
+from mismatch_probe.parallel import ordered_map
+
+T = TypeVar("T")
+MIN_BLOCK = 1 << 20
+
+
+def read_table(
+    file: Path, schema: pa.Schema, optional: Mapping[str, tuple[pa.DataType, ...]] | None = None
+) -> pa.Table | None:
+    """``file`` parsed against ``schema`` (plus each ``optional`` field that occurs in the file,
+    with the first of its types that parses), one row per line; None: see the module docstring.
+    """
+    try:
+        data = file.read_bytes()
+    except OSError:
+        return None
+    if b"\r" in data or not _utf8(data):
+        return None
+    optional = optional or {}
+    found = [name for name in optional if f'"{name}"'.encode() in data]
+    choices: list[list[tuple[str, pa.DataType]]] = [[]]
+    for name in found:
+        choices = [[*c, (name, t)] for c in choices for t in optional[name]]
+    for extra in choices:
+        table = _parse(data, pa.schema([*schema, *extra]))
+        if table is not None:
+            lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+            return table if table.num_rows == lines else None
+    return None
+
+
+def _utf8(data: bytes) -> bool:
+    if data.isascii():
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _parse(data: bytes, schema: pa.Schema) -> pa.Table | None:
+    read = pj.ReadOptions(use_threads=False, block_size=max(MIN_BLOCK, len(data) + 1))
+    parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    try:
+        return pj.read_json(pa.BufferReader(data), read_options=read, parse_options=parse)
+    except (pa.ArrowException, ValueError):
+        return None
+
+
+def flat_list(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A list column -> ``(values [V], offsets [rows + 1])``; floats' nulls as NaN. None when a
+    row is null (a missing field) or an integer/boolean value is null."""
+    if column.null_count:
+        return None
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if isinstance(array, pa.ChunkedArray):  # an empty table
+        array = pa.array([], column.type)
+    offsets = np.asarray(array.offsets.to_numpy(), dtype=np.int64)
+    values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    offsets = offsets - offsets[0]
+    if pa.types.is_floating(values.type):
+        return np.asarray(values.to_numpy(zero_copy_only=False), np.float64), offsets
+    if values.null_count:
+        return None
+    return values.to_numpy(zero_copy_only=False), offsets
+
+
+def masked(
+    mask: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The tokens a flat ``[V]`` bool mask keeps, per row of ``offsets``: ``(keep [K] indices,
+    counts [rows], positions [K])``, each position counted from the row's first kept token.
+    None when a row keeps no token."""
+    rows = len(offsets) - 1
+    keep = np.flatnonzero(mask)
+    row = np.searchsorted(offsets, keep, side="right") - 1
+    counts = np.bincount(row, minlength=rows).astype(np.int64)
+    if rows and not counts.all():
+        return None
+    first = keep[np.concatenate([[0], np.cumsum(counts)[:-1]])] if rows else keep[:0]
+    return keep, counts, keep - np.repeat(first, counts)
+
+
+def group_keys(table: pa.Table, name: str, rows: int) -> list[str | None] | None:
+    """``records.group_key`` of each row's ``name`` field (None where absent or empty)."""
+    if name not in table.column_names:
+        return [None] * rows
+    column = table.column(name)
+    if pa.types.is_string(column.type):
+        return [v or None for v in column.to_pylist()]
+    if pa.types.is_integer(column.type):
+        return [None if v is None else str(v) for v in column.to_pylist()]
+    return None
+
+
+def prefetched(items: Iterable[tuple[int, Path]], fn: Callable[[Path, int], T]) -> Iterator[T]:
+    """``fn(file, step)`` of each item, in order, on every core (``parallel.ordered_map``)."""
+    return ordered_map(lambda item: fn(item[1], item[0]), items)

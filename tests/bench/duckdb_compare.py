@@ -1,0 +1,192 @@
+"""probe against DuckDB on the same files, in one run (A/B alternated, best of ``REPEATS``):
+
+* ``ingest_duckdb``: ``probe ingest prime-rl`` of 168 MB of JSONL (20 steps of 200,000 trained
+  tokens, ``ingest.write_export``) end to end (the store, the integrity checks, every metric of
+  the run and of each step: ``IngestResult.timings`` ``store + metrics``; the plots' and
+  reports' fixed cost reported apart) against DuckDB reading the same files and computing k3
+  per step. The goal: within 3x. Also the integrity checks alone on the written store (do they
+  dominate?), and the largest relative difference of the per-step k3.
+* ``metrics_duckdb``: ``compute_metrics`` (every metric) of the 10 M-token bench store
+  (``metrics.write_synthetic_store``) on every core and on one, against DuckDB's kl, k3_kl,
+  chi2_token, chi2_seq and TIS mean. The goal: within 2x. The two probe runs must agree bit
+  for bit (``bit_identical_1_vs_all_workers``).
+
+Each measurement runs in a fresh ``spawn`` child (its own imports, its own peak RSS). DuckDB is
+a dev dependency of this bench only. The machine's load average is recorded before and after:
+these machines are shared, so only ratios measured side by side mean anything.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPEATS = 2
+INGEST_STEPS = 20
+INGEST_TOKENS_PER_STEP = 200_000
+METRICS_TOKENS = 10_000_000
+TIS = 2.0  # MetricsConfig's default rollout_is_threshold (token TIS)
+B = 20.0  # verl's safety bound
+
+K3_QUERY = """
+WITH t AS (
+  SELECT regexp_extract(filename, 'step_([0-9]+)', 1)::INTEGER AS step,
+         unnest(loss_mask) AS m, unnest(inference_logprobs) AS lr,
+         unnest(trainer_logprobs) AS lt, generate_subscripts(loss_mask, 1) AS i
+  FROM read_json('{glob}', format = 'newline_delimited', filename = true,
+                 columns = {{'loss_mask': 'BOOLEAN[]', 'inference_logprobs': 'DOUBLE[]',
+                            'trainer_logprobs': 'DOUBLE[]'}}))
+SELECT step, avg(exp(lt - lr) - 1 - (lt - lr)) AS k3 FROM t
+WHERE m AND i > 1 AND lr IS NOT NULL AND lt IS NOT NULL GROUP BY step ORDER BY step
+"""
+
+FIVE_QUERY = """
+WITH t AS (
+  SELECT seq_id, train_logprob::DOUBLE - rollout_logprob::DOUBLE AS r
+  FROM read_parquet('{path}')
+  WHERE train_logprob IS NOT NULL AND rollout_logprob IS NOT NULL),
+s AS (SELECT sum(r) AS s FROM t GROUP BY seq_id)
+SELECT avg(-r), avg(exp(r) - 1 - r), avg(pow(exp(least(greatest(r, -{b}), {b})), 2)) - 1,
+       (SELECT avg(exp(2 * least(greatest(s, -{b}), {b}))) - 1 FROM s),
+       avg(least(exp(least(greatest(r, -{b}), {b})), {tis}))
+FROM t
+"""
+FIVE = ("kl", "k3_kl", "chi2_token", "chi2_seq", "rollout_is_mean")
+
+
+def _peak_mb() -> float:
+    from tests.bench.metrics import _peak_rss_kb
+
+    return _peak_rss_kb() / 1024
+
+
+def _probe_ingest(src: str, out: str) -> dict[str, Any]:
+    from mismatch_probe.ingest import IngestConfig, run_ingest
+    from mismatch_probe.metrics.integrity import compute_integrity
+
+    start = time.perf_counter()
+    result = run_ingest(IngestConfig("prime-rl", Path(src), Path(out)))
+    wall = time.perf_counter() - start
+    t = result.timings
+    start = time.perf_counter()
+    compute_integrity(Path(out), result.run)
+    integrity = time.perf_counter() - start
+    return {
+        "wall_s": t["store"] + t["metrics"],
+        "store_s": t["store"],
+        "metrics_and_integrity_s": t["metrics"],
+        "reports_s": t["reports"],
+        "whole_command_s": wall,
+        "integrity_alone_s": integrity,
+        "peak_rss_mb": _peak_mb(),
+        "k3": {str(s): m["k3_kl"] for s, m in result.steps.items()},
+    }
+
+
+def _duckdb_k3(src: str) -> dict[str, Any]:
+    glob = f"{src}/token_exports/step_*/rank_*.jsonl"
+    con = _duckdb()
+    start = time.perf_counter()
+    rows = con.sql(K3_QUERY.format(glob=glob)).fetchall()
+    return {"wall_s": time.perf_counter() - start, "peak_rss_mb": _peak_mb(),
+            "k3": {str(s): k for s, k in rows}}  # fmt: skip
+
+
+def _probe_metrics(path: str, workers: int | None) -> dict[str, Any]:
+    from mismatch_probe.metrics import compute_metrics
+
+    start = time.perf_counter()
+    result = compute_metrics(Path(path), workers=workers)
+    wall = time.perf_counter() - start
+    exact = json.dumps(result.to_json_dict(), sort_keys=True, default=str)
+    flat = result.flat()
+    return {"wall_s": wall, "peak_rss_mb": _peak_mb(), "exact": exact,
+            "five": {k: flat[k] for k in FIVE}}  # fmt: skip
+
+
+def _duckdb_five(path: str) -> dict[str, Any]:
+    con = _duckdb()
+    start = time.perf_counter()
+    (row,) = con.sql(FIVE_QUERY.format(path=path, b=B, tis=TIS)).fetchall()
+    return {"wall_s": time.perf_counter() - start, "peak_rss_mb": _peak_mb(),
+            "five": dict(zip(FIVE, row, strict=True))}  # fmt: skip
+
+
+def _duckdb() -> Any:
+    """A DuckDB connection on every core, without its progress bar."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("SET enable_progress_bar = false")
+    return con
+
+
+def _child(fn: Any, *args: Any) -> dict[str, Any]:
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _best(tries: list[tuple[str, dict[str, Any]]], name: str) -> dict[str, Any]:
+    return min((r for n, r in tries if n == name), key=lambda r: r["wall_s"])
+
+
+def _rel(a: dict[str, float], b: dict[str, float]) -> float:
+    return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in b)
+
+
+def bench_ingest_duckdb() -> dict[str, Any]:
+    from tests.bench.ingest import write_export
+
+    out: dict[str, Any] = {"load_before": _load(), "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "export"
+        tokens = write_export(src, INGEST_STEPS, tokens_per_step=INGEST_TOKENS_PER_STEP)
+        out["jsonl_mb"] = sum(p.stat().st_size for p in src.rglob("*.jsonl")) / 2**20
+        out["steps"], out["trained_tokens"] = INGEST_STEPS, tokens
+        tries = []
+        for k in range(REPEATS):
+            tries.append(("probe", _child(_probe_ingest, str(src), str(Path(tmp) / f"run{k}"))))
+            tries.append(("duckdb", _child(_duckdb_k3, str(src))))
+    probe, duck = _best(tries, "probe"), _best(tries, "duckdb")
+    out["probe_ingest"] = {k: v for k, v in probe.items() if k != "k3"}
+    out["duckdb_read_and_k3"] = {k: v for k, v in duck.items() if k != "k3"}
+    out["ratio_probe_over_duckdb"] = probe["wall_s"] / duck["wall_s"]
+    out["within_3x"] = out["ratio_probe_over_duckdb"] <= 3.0
+    out["k3_max_rel_diff"] = _rel(probe["k3"], duck["k3"])
+    out["load_after"] = _load()
+    return out
+
+
+def bench_metrics_duckdb() -> dict[str, Any]:
+    from tests.bench.metrics import write_synthetic_store
+
+    out: dict[str, Any] = {"load_before": _load(), "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokens.parquet"
+        out["store"] = write_synthetic_store(path, METRICS_TOKENS)
+        tries = []
+        for _ in range(REPEATS):
+            tries.append(("probe", _child(_probe_metrics, str(path), None)))
+            tries.append(("duckdb", _child(_duckdb_five, str(path))))
+            tries.append(("probe_1_worker", _child(_probe_metrics, str(path), 1)))
+    probe, duck, serial = (_best(tries, n) for n in ("probe", "duckdb", "probe_1_worker"))
+    out["probe_all_metrics"] = {"wall_s": probe["wall_s"], "peak_rss_mb": probe["peak_rss_mb"]}
+    out["probe_1_worker"] = {"wall_s": serial["wall_s"], "peak_rss_mb": serial["peak_rss_mb"]}
+    out["duckdb_five_metrics"] = {"wall_s": duck["wall_s"], "peak_rss_mb": duck["peak_rss_mb"]}
+    out["ratio_probe_over_duckdb"] = probe["wall_s"] / duck["wall_s"]
+    out["within_2x"] = out["ratio_probe_over_duckdb"] <= 2.0
+    out["speedup_all_workers_over_1"] = serial["wall_s"] / probe["wall_s"]
+    exact = {r["exact"] for n, r in tries if n.startswith("probe")}
+    out["bit_identical_1_vs_all_workers"] = len(exact) == 1
+    out["five_max_rel_diff"] = _rel(probe["five"], duck["five"])
+    out["load_after"] = _load()
+    return out

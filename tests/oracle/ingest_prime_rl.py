@@ -1,0 +1,149 @@
+"""prime-rl token exports: ``<output_dir>/token_exports/step_<N>/rank_<R>.jsonl``.
+
+Checked against PrimeIntellect-ai/prime-rl ``src/prime_rl/trainer/rl/token_export.py``
+(``SCHEMA_VERSION = 1``) and ``src/prime_rl/trainer/rl/train.py`` at commit 559b447 (2026-08):
+
+* one JSON object per line and sequence: ``schema_version, step, export_step, rank,
+  micro_step, micro_sequence_idx, export_sequence_idx, run_id, env_name, token_ids,
+  position_ids, loss_mask, advantages, losses, rewards, inference_logprobs,
+  trainer_logprobs, entropy, mismatch_kl, ...``; every array has one entry per token of the
+  packed sequence, prompt included (``loss_mask`` false there);
+* ``trainer_logprobs`` is shifted right in ``train.py`` (``shift_tensor_right``), so entry ``i``
+  is the log-prob of ``token_ids[i]``; entry 0 is a pad value (``log(1/V)``);
+* non-finite floats are written as ``null`` (``_json_float``);
+* the directory is named after ``export_step`` (the run step in multi-run mode, under
+  ``<output_dir>/<run_id>/token_exports/``); ``STABLE`` is touched in it once every rank has
+  flushed the step (``mark_stable``), and removed when a rank writes to it again.
+
+The off-policy bound is not in the export: ``max_off_policy_steps`` lives in the orchestrator
+config (default 8), which the ``rl`` entrypoint writes to ``<output_dir>/configs/rl.json`` /
+``orchestrator.json``. We read it from there when present.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.records import (
+    SeqRecord,
+    StepRange,
+    as_bool_mask,
+    check_lengths,
+    field_of,
+    float_array,
+    group_key,
+    int_array,
+    iter_json_lines,
+    masked_record,
+    require_dir,
+    short_repr,
+    unique_steps,
+)
+
+SCHEMA_VERSIONS = (1,)
+STABLE = "STABLE"
+_STEP_DIR = re.compile(r"step_(\d+)$")
+_RANK_FILE = re.compile(r"rank_(\d+)\.jsonl$")
+DEFAULT_MAX_OFF_POLICY = 8  # OrchestratorConfig.max_off_policy_steps in the source above
+
+
+def exports_dir(path: Path) -> Path:
+    """``path`` itself when it holds ``step_<N>`` directories, else ``path/token_exports``."""
+    require_dir(path, "token_exports/ (the trainer's output dir)")
+    if any(_STEP_DIR.match(p.name) for p in path.iterdir()):
+        return path
+    sub = path / "token_exports"
+    if not sub.is_dir():
+        raise ProbeError(f"{path}: no token_exports/ directory and no step_<N> directories")
+    return sub
+
+
+def step_dirs(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
+    """Stable step directories in ``steps``, in step order.
+
+    A directory without ``STABLE`` after the last stable one is a step still being written
+    and is skipped (unless ``--steps`` names it); one before a stable step, or one ``--steps``
+    names, is an error: the export of that step is incomplete.
+    """
+    root = exports_dir(path)
+    found = sorted(
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if p.is_dir() and (m := _STEP_DIR.match(p.name))
+    )
+    found = unique_steps([(n, p) for n, p in found if n in steps])
+    stable = [n for n, p in found if (p / STABLE).exists()]
+    for n, p in found:
+        if (p / STABLE).exists():
+            continue
+        if steps.last is not None or (stable and n < stable[-1]):
+            raise ProbeError(
+                f"{p}: no {STABLE} marker (the step's export is incomplete); "
+                "choose other steps with --steps"
+            )
+    chosen = [(n, p) for n, p in found if (p / STABLE).exists()]
+    if not chosen:
+        raise ProbeError(f"{root}: no step directory with a {STABLE} marker in the chosen steps")
+    return chosen
+
+
+def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
+    """Every trained sequence of the chosen steps, rank files in rank order."""
+    for step, directory in step_dirs(path, steps):
+        files = sorted(
+            (int(m.group(1)), p) for p in directory.iterdir() if (m := _RANK_FILE.match(p.name))
+        )
+        for _, file in files:
+            for number, obj in iter_json_lines(file):
+                yield _record(obj, step, f"{file}:{number}")
+
+
+def _record(obj: dict[str, Any], step: int, where: str) -> SeqRecord:
+    version = obj.get("schema_version")
+    if version not in SCHEMA_VERSIONS:
+        raise ProbeError(f"{where}: schema_version {version!r} (supported: {SCHEMA_VERSIONS})")
+    tokens = int_array(field_of(obj, "token_ids", where), "token_ids", where)
+    mask = float_array(field_of(obj, "loss_mask", where), "loss_mask", where)
+    rollout = float_array(field_of(obj, "inference_logprobs", where), "inference_logprobs", where)
+    train = float_array(field_of(obj, "trainer_logprobs", where), "trainer_logprobs", where)
+    check_lengths(
+        where, token_ids=tokens, loss_mask=mask, inference_logprobs=rollout, trainer_logprobs=train
+    )
+    mask = as_bool_mask(mask, "loss_mask", where)
+    mask[:1] = False  # index 0 has no log-prob (trainer_logprobs[0] is a pad value)
+    key = group_key(obj.get("sample_id"), "sample_id", where)  # not in schema 1; newer exports
+    return masked_record(step, where, key, tokens, mask, rollout, train)
+
+
+def off_policy(path: Path) -> dict[str, Any]:
+    """The bound on policy staleness from the run's config files, else the default. A config
+    file that does not parse, or a bound that is not a non-negative integer, is one line."""
+    root = exports_dir(path).parent
+    for name, keys in (("orchestrator.json", ()), ("rl.json", ("orchestrator",))):
+        file = root / "configs" / name
+        if not file.is_file():
+            continue
+        try:
+            data: Any = json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProbeError(f"{file}: not valid JSON ({exc})") from None
+        for key in (*keys, "max_off_policy_steps"):
+            data = data.get(key) if isinstance(data, dict) else None
+        if data is None:
+            continue
+        if not isinstance(data, int) or isinstance(data, bool) or data < 0:
+            raise ProbeError(
+                f"{file}: max_off_policy_steps {short_repr(data)} is not a non-negative integer"
+            )
+        return {"max_off_policy_steps": data, "source": str(file), "staleness": data > 0}
+    return {
+        "max_off_policy_steps": None,
+        "source": f"not found under {root / 'configs'}; prime-rl's default is "
+        f"{DEFAULT_MAX_OFF_POLICY}",
+        "staleness": True,
+    }

@@ -1,0 +1,290 @@
+"""The vectorised ingest (pyarrow JSONL reader, columnar batches, batch writer) against the
+record-by-record readers and writer it replaced (``tests/oracle/ingest_*``, the code as it was):
+the same stores, column for column and row group for row group, the same counts and the same
+integrity findings, on every format's fixtures; and the same error lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from mismatch_probe import store
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest import IngestConfig, ProbeWriter
+from mismatch_probe.ingest.formats import get_format
+from mismatch_probe.ingest.writer import RunStoreWriter
+from mismatch_probe.metrics.integrity import compute_integrity
+from tests.ingest_fixtures import (
+    Seq,
+    synthetic_steps,
+    write_miles,
+    write_nemo_rl,
+    write_prime_rl,
+    write_skyrl,
+    write_slime,
+    write_verl,
+)
+from tests.oracle import ingest_prime_rl as old_prime_rl
+from tests.oracle.ingest_writer import RunStoreWriter as OldWriter
+
+RUN = {"kind": "ingest", "tool": "mismatch_probe"}
+
+
+def _write_probe(root: Path, data: dict[int, list[Seq]]) -> Path:
+    writer = ProbeWriter(root)
+    for step, seqs in data.items():
+        width = max(len(s.response) for s in seqs) + 2
+        shape = (len(seqs), width)
+        tokens, mask = np.zeros(shape, np.int64), np.zeros(shape)
+        rollout, train = np.zeros(shape), np.zeros(shape)
+        for i, s in enumerate(seqs):
+            n = len(s.response)
+            tokens[i, 1 : n + 1], mask[i, 1 : n + 1] = s.response, 1
+            rollout[i, 1 : n + 1], train[i, 1 : n + 1] = s.rollout, s.train
+        writer.write_step(
+            step, tokens, mask, rollout, train, group=[f"g{i // 2}" for i in range(len(seqs))]
+        )
+    return root
+
+
+WRITERS = {
+    "prime-rl": write_prime_rl,
+    "nemo-rl": write_nemo_rl,
+    "slime": write_slime,
+    "verl-dp": write_verl,
+    "skyrl": write_skyrl,
+    "probe": _write_probe,
+    "miles-parquet": write_miles,
+}
+VARIANTS = {  # name: (format, writer)
+    "skyrl-legacy-padded": ("skyrl", lambda root, data: write_skyrl(root, data, legacy=True,
+                                                                     pad_size=1)),
+    "verl-dp-numpy": ("verl-dp", lambda root, data: write_verl(root, data, method="numpy")),
+}  # fmt: skip
+
+
+def _old_records(fmt: str, cfg: IngestConfig):
+    reader = old_prime_rl.read(cfg.path, cfg.steps) if fmt == "prime-rl" else None
+    records = reader if reader is not None else get_format(fmt).read(cfg)
+    for record in records:
+        if record.train is None:  # miles: what rescoring would add, the same on both sides
+            record.train = record.rollout - 0.25
+        yield record
+
+
+def _new_batches(fmt: str, cfg: IngestConfig):
+    if fmt != "miles-parquet":
+        yield from get_format(fmt).read_batches(cfg)
+        return
+    from mismatch_probe.ingest.batches import from_records
+
+    yield from from_records(_old_records(fmt, cfg))
+
+
+def _stores(fmt: str, src: Path, tmp: Path) -> tuple[Path, Path, Any, Any]:
+    cfg = IngestConfig(fmt, src, tmp / "unused", trust_pickle=True)
+    new, old = tmp / "new", tmp / "old"
+    new.mkdir()
+    old.mkdir()
+    writer = RunStoreWriter(new, RUN)
+    try:
+        for batch in _new_batches(fmt, cfg):
+            writer.add_batch(batch)
+    finally:
+        new_counts = writer.close()
+    reference = OldWriter(old, RUN)
+    try:
+        for record in _old_records(fmt, cfg):
+            reference.add(record)
+    finally:
+        old_counts = reference.close()
+    return new, old, new_counts, old_counts
+
+
+def _assert_same_stores(new: Path, old: Path) -> None:
+    for name in (store.TOKENS_FILE, store.SEQUENCES_FILE):
+        a, b = pq.ParquetFile(new / name), pq.ParquetFile(old / name)
+        assert a.schema_arrow.equals(b.schema_arrow, check_metadata=True)
+        groups = [[f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)]
+                  for f in (a, b)]  # fmt: skip
+        assert groups[0] == groups[1]
+        assert a.read().equals(b.read()), name
+    assert compute_integrity(new, RUN) == compute_integrity(old, RUN)
+
+
+def _big_steps(steps: list[int], seqs: int, length: int, seed: int) -> dict[int, list[Seq]]:
+    """Longer responses, so that a step fills several row groups."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for step in steps:
+        batch = []
+        for _ in range(seqs):
+            n = int(rng.integers(length // 2, length))
+            rollout = np.log(rng.uniform(0.05, 0.95, n))
+            train = np.minimum(rollout + rng.normal(0.0, 0.01, n), -1e-6)
+            prompt = rng.integers(1, 200, 3).tolist()
+            batch.append(Seq(prompt, rng.integers(1, 200, n).tolist(), rollout.tolist(),
+                             train.tolist()))  # fmt: skip
+        out[step] = batch
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_every_format_gives_the_store_of_the_record_readers(fmt: str, tmp_path: Path) -> None:
+    data = synthetic_steps([2, 5, 9], seqs=6, seed=3)
+    new, old, new_counts, old_counts = _stores(fmt, WRITERS[fmt](tmp_path / "src", data), tmp_path)
+    assert asdict(new_counts) == asdict(old_counts) and new_counts.tokens > 0
+    _assert_same_stores(new, old)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dump_variants_give_the_store_of_the_record_readers(variant: str, tmp_path: Path) -> None:
+    fmt, write = VARIANTS[variant]
+    data = synthetic_steps([1, 4], seqs=5, seed=8)
+    new, old, new_counts, old_counts = _stores(fmt, write(tmp_path / "src", data), tmp_path)
+    assert asdict(new_counts) == asdict(old_counts) and new_counts.tokens > 0
+    _assert_same_stores(new, old)
+
+
+def test_prime_rl_row_groups_steps_and_ranks_match(tmp_path: Path) -> None:
+    """Steps of several row groups each (65,536 tokens), two rank files per step."""
+    data = _big_steps([1, 2, 3], seqs=120, length=1500, seed=4)
+    src = write_prime_rl(tmp_path / "src", data)
+    for step in data:  # a second rank file: the same lines again
+        d = src / "token_exports" / f"step_{step}"
+        (d / "rank_1.jsonl").write_text((d / "rank_0.jsonl").read_text())
+    new, old, new_counts, old_counts = _stores("prime-rl", src, tmp_path)
+    assert asdict(new_counts) == asdict(old_counts)
+    assert pq.ParquetFile(new / store.TOKENS_FILE).num_row_groups > 6
+    _assert_same_stores(new, old)
+
+
+def _prime_line(tokens: int, mask: list, rollout: list, train: list, **extra) -> str:
+    line = {"schema_version": 1, "token_ids": list(range(1, tokens + 1)), "loss_mask": mask,
+            "inference_logprobs": rollout, "trainer_logprobs": train, **extra}  # fmt: skip
+    return json.dumps(line)
+
+
+UNUSUAL = {
+    # nulls inside the log-probs (prime-rl's non-finite floats), sample ids as strings and ints
+    "nulls": [
+        _prime_line(
+            4,
+            [False, True, True, True],
+            [0.0, -0.5, None, -0.1],
+            [-9.0, -0.4, -0.2, None],
+            sample_id="a",
+        ),
+        _prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.25], sample_id="a"),
+    ],
+    "int_keys": [
+        _prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.25], sample_id=7),
+        _prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.25], sample_id=7),
+    ],
+    # what only the reference reader reads: NaN tokens, 0/1 masks, float ids, a blank line
+    "fallback": [
+        '{"schema_version": 1, "token_ids": [1, 2, 3.0], "loss_mask": [0, 1, 1], '
+        '"inference_logprobs": [0.0, NaN, -0.2], "trainer_logprobs": [-9.0, -0.1, -0.2]}',
+        "",
+        _prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.25]),
+    ],
+    # a mask gap: two turns
+    "turns": [
+        _prime_line(
+            6,
+            [False, True, True, False, True, True],
+            [0.0, -0.1, -0.2, 0.0, -0.3, -0.1],
+            [-9.0, -0.1, -0.25, -1.0, -0.3, -0.2],
+        ),
+    ],
+}
+
+
+def _prime_file(root: Path, lines: list[str]) -> Path:
+    d = root / "token_exports" / "step_1"
+    d.mkdir(parents=True)
+    (d / "rank_0.jsonl").write_text("".join(line + "\n" for line in lines))
+    (d / "STABLE").touch()
+    return root
+
+
+@pytest.mark.parametrize("case", list(UNUSUAL))
+def test_prime_rl_unusual_lines_give_the_same_store(case: str, tmp_path: Path) -> None:
+    src = _prime_file(tmp_path / "src", UNUSUAL[case])
+    new, old, new_counts, old_counts = _stores("prime-rl", src, tmp_path)
+    assert asdict(new_counts) == asdict(old_counts)
+    _assert_same_stores(new, old)
+
+
+BAD = {
+    "not json": ["{oops"],
+    "missing field": ['{"schema_version": 1, "token_ids": [1, 2], "loss_mask": [false, true], '
+                      '"inference_logprobs": [0.0, -0.1]}'],
+    "unequal": [_prime_line(3, [False, True], [0.0, -0.1], [-9.0, -0.1])],
+    "empty mask": [_prime_line(2, [False, False], [0.0, -0.1], [-9.0, -0.1])],
+    "version": [_prime_line(2, [False, True], [0.0, -0.1], [-9.0, -0.1]).replace(
+        '"schema_version": 1', '"schema_version": 2')],
+    "big id": [_prime_line(2, [False, True], [0.0, -0.1], [-9.0, -0.1]).replace(
+        "[1, 2]", "[1, 4294967296]")],
+}  # fmt: skip
+
+
+def _error(write, tmp: Path, read) -> str:
+    tmp.mkdir()
+    writer = write(tmp, RUN)
+    with pytest.raises(ProbeError) as exc:
+        for item in read:
+            (writer.add_batch if isinstance(writer, RunStoreWriter) else writer.add)(item)
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_prime_rl_bad_lines_give_the_same_error(case: str, tmp_path: Path) -> None:
+    lines = [_prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.2])]
+    src = _prime_file(tmp_path / "src", lines + BAD[case])
+    steps = IngestConfig("prime-rl", src, src).steps
+    new = _error(
+        RunStoreWriter,
+        tmp_path / "new",
+        get_format("prime-rl").read_batches(IngestConfig("prime-rl", src, src)),
+    )
+    old = _error(OldWriter, tmp_path / "old", old_prime_rl.read(src, steps))
+    assert new == old and "rank_0.jsonl:2" in new
+
+
+def test_prime_rl_takes_the_fast_path_on_an_ordinary_export(tmp_path: Path) -> None:
+    from mismatch_probe.ingest import jsonl, prime_rl
+
+    src = write_prime_rl(tmp_path / "src", synthetic_steps([1], seqs=3))
+    file = src / "token_exports" / "step_1" / "rank_0.jsonl"
+    table = jsonl.read_table(file, prime_rl._SCHEMA, prime_rl._OPTIONAL)
+    assert table is not None and prime_rl._batch(table, file, 1) is not None
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(file.read_text() + "\n")  # a blank line: the reference reader decides
+    assert jsonl.read_table(blank, prime_rl._SCHEMA, prime_rl._OPTIONAL) is None
+
+
+def test_one_pass_gives_each_steps_metrics_and_the_integrity_bit_for_bit(tmp_path: Path) -> None:
+    """``ingest.run.measure``: the run's metrics, each step's (steps spanning several row
+    groups, batches carrying a sequence across a step's end) and the integrity findings, equal
+    to one ``compute_metrics`` per step and ``compute_integrity`` reading the store itself."""
+    from mismatch_probe.ingest.run import measure
+    from mismatch_probe.metrics import compute_metrics
+
+    data = _big_steps([1, 2, 3, 5], seqs=70, length=2500, seed=6)
+    new, _, _, _ = _stores("prime-rl", write_prime_rl(tmp_path / "src", data), tmp_path)
+    tokens = new / store.TOKENS_FILE
+    run = {**RUN, "mask_rules": []}
+    whole, steps, integrity = measure(tokens, run)
+    exact = lambda r: json.dumps(r.to_json_dict(), sort_keys=True, default=str)  # noqa: E731
+    assert exact(whole) == exact(compute_metrics(tokens))
+    assert sorted(steps) == [1, 2, 3, 5]
+    for step, flat in steps.items():
+        assert repr(flat) == repr(compute_metrics(tokens, step=step).flat()), step
+    assert integrity == compute_integrity(tokens, run)
