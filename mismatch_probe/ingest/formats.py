@@ -8,13 +8,13 @@ a format is one module with ``read`` and ``off_policy``, and one entry here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import miles, nemo_rl, prime_rl, probe_format, skyrl, slime, verl_dp
-from mismatch_probe.ingest.records import IngestConfig, SeqRecord
+from mismatch_probe.ingest.records import IngestConfig, SeqRecord, StepRange
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class Format:
         rollout_field: the framework's name of the engine's log-probs.
         train_field: its name of the trainer's log-probs (None: rescored with ``--model``).
         checked: the source file the reader was checked against.
+        rewrites: ``(path, steps) -> [{"step", ...}]``: the steps a later attempt wrote again
+            (a restarted trainer), whose earlier attempt the reader left out; none by default
+            (a format whose files a restarted trainer overwrites in place).
     """
 
     read: Callable[[IngestConfig], Iterator[SeqRecord]]
@@ -36,6 +39,7 @@ class Format:
     rollout_field: str
     train_field: str | None
     checked: str
+    rewrites: Callable[[Path, StepRange], list[dict[str, Any]]] = field(default=lambda p, s: [])
 
     @property
     def needs_model(self) -> bool:
@@ -98,6 +102,7 @@ FORMATS: dict[str, Format] = {
         "rollout_logprob",
         "train_logprob",
         "mismatch_probe/ingest/hook.py (ProbeWriter)",
+        probe_format.rewrites,
     ),
 }
 

@@ -181,6 +181,9 @@ def run_metadata(
         "off_policy": off_policy,
         "versions": library_versions(),
     }
+    rewritten = fmt.rewrites(cfg.path, cfg.steps)
+    if rewritten:  # a restarted writer: the later attempt of each step replaced the earlier
+        run["rewritten_steps"] = rewritten
     if model_dir is not None:
         from mismatch_probe import models
 

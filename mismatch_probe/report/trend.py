@@ -56,6 +56,8 @@ class Trend:
         failing: ``{metric: set of steps where it fails its threshold}``.
         crossings: ``{metric: [steps where it starts failing]}``.
         note: the staleness sentence for this run.
+        rewritten: the sentence naming the steps written again (a restarted trainer; ``""``
+            when none).
     """
 
     steps: list[int]
@@ -63,6 +65,7 @@ class Trend:
     failing: dict[str, set[int]]
     crossings: dict[str, list[int]]
     note: str
+    rewritten: str = ""
 
 
 def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[str, float]]:
@@ -130,7 +133,7 @@ def build_trend(per_step: dict[int, dict[str, float]], run: dict[str, Any]) -> T
         crossings[metric] = [
             s for i, s in enumerate(steps) if fails[i] and (i == 0 or not fails[i - 1])
         ]
-    return Trend(steps, series, failing, crossings, staleness_note(run))
+    return Trend(steps, series, failing, crossings, staleness_note(run), rewrite_note(run))
 
 
 def load_trend(run_dir: Path, run: dict[str, Any], config: dict[str, Any] | None) -> Trend | None:
@@ -158,6 +161,21 @@ def staleness_note(run: dict[str, Any]) -> str:
     return (
         f"The logs do not say whether rollouts were on-policy{where}: the measured ratio is "
         "engine mismatch, plus policy staleness if the run was asynchronous."
+    )
+
+
+def rewrite_note(run: dict[str, Any]) -> str:
+    """``Steps 4, 5 were written again ...`` from ``run.json``'s ``rewritten_steps`` (``""``)."""
+    found = run.get("rewritten_steps")
+    steps = [r.get("step") for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+    steps = [s for s in steps if isinstance(s, int)]
+    if not steps:
+        return ""
+    word = "Step" if len(steps) == 1 else "Steps"
+    verb = "was" if len(steps) == 1 else "were"
+    return (
+        f"{word} {', '.join(map(str, steps))} {verb} written again (a restarted trainer): "
+        "the later attempt replaces the earlier, whose data is not counted."
     )
 
 
@@ -204,6 +222,8 @@ def render_markdown(trend: Trend, plot: Path | None, base: Path) -> str:
     from mismatch_probe.report.markdown import escape, table
 
     lines = ["## Trend over training steps", "", escape(trend.note), ""]
+    if trend.rewritten:
+        lines += [escape(trend.rewritten), ""]
     crossings = crossing_lines(trend)
     lines += [f"- ❌ {escape(c)}" for c in crossings] or ["- every threshold holds at every step"]
     lines.append("")
@@ -227,7 +247,8 @@ def render_markdown(trend: Trend, plot: Path | None, base: Path) -> str:
 
 def render_table(trend: Trend) -> Table:
     """The rich version of the table: failing values red, the note as the caption."""
-    table = Table(title="Trend over training steps", title_justify="left", caption=trend.note,
+    caption = " ".join(n for n in (trend.note, trend.rewritten) if n)
+    table = Table(title="Trend over training steps", title_justify="left", caption=caption,
                   caption_justify="left", title_style="bold")  # fmt: skip
     table.add_column("step", justify="right")
     for metric in trend.series:
