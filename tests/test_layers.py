@@ -19,6 +19,7 @@ RANKS = {
     "cli": 10, "options": 9,  # the thin layer: options declared once
     "cli_help": 9.5,  # the help around the options: command order, --version, examples
     "ingest": 8,  # a framework's logs (reuses the pipeline's config, tables and run metadata)
+    "export": 6,  # a run's numbers into trackers (reads the run as report/ does; watch calls it)
     "pipeline": 7,  # the orchestration: scan stages, records, run.json, sharding, Ray, attribution
     "report": 5,  # the only stage that renders
     "engine": 4, "training": 4,  # the two sides of the mismatch: vLLM, transformers

@@ -83,7 +83,16 @@ class Counts:
 class RunStoreWriter:
     """``add`` records (steps ascending), then ``close``; see the module docstring."""
 
-    def __init__(self, out: Path, run: dict[str, Any], tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        run: dict[str, Any],
+        tokenizer: Any = None,
+        first_seq: int = 0,
+        first_prompt: int = 0,
+    ) -> None:
+        """``first_seq``/``first_prompt``: the first ids to give (``probe watch`` writes one
+        store per step, its ids following the earlier steps')."""
         self.tokenizer = tokenizer
         meta = {store.META_KEY: json.dumps(run, sort_keys=True, default=str),
                 store.VERSION_KEY: store.SCHEMA_VERSION}  # fmt: skip
@@ -98,8 +107,9 @@ class RunStoreWriter:
         self.buffered = 0
         self.prompts: dict[str, int] = {}  # this step's group keys -> prompt_id
         self.samples: dict[int, int] = {}  # this step's prompt_id -> responses so far
-        self.next_prompt = 0
+        self.next_prompt = first_prompt
         self.counts = Counts()
+        self.first_seq = first_seq
         self.empty_steps: set[int] = set()  # steps with an empty record
 
     def add(self, record: SeqRecord) -> None:
@@ -124,7 +134,7 @@ class RunStoreWriter:
         prompt_id = self._prompt_id(record)
         sample_id = self.samples.get(prompt_id, 0)
         self.samples[prompt_id] = sample_id + 1
-        self.buffer.append((record, self.counts.sequences, prompt_id, sample_id))
+        self.buffer.append((record, self.first_seq + self.counts.sequences, prompt_id, sample_id))
         self.counts.sequences += 1
         self.buffered += len(record.token_ids)
         if self.buffered >= store.ROW_GROUP_TOKENS:
