@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ class StepStore:
             seen = self.totals.rules.setdefault(key, [0, 0])
             seen[0] += n
             seen[1] += t
-        self.write_run()
+        with suppress(OSError):  # a full disk now: run.json is rewritten after the next step
+            self.write_run()
         return stored
 
     def part(self, step: int) -> Path:

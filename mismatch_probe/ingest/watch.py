@@ -293,7 +293,7 @@ class Watcher:
         try:
             stored = self.store.add(step, records, self.lag(seen))
         except OSError as exc:
-            if exc.errno not in FULL_DISK:
+            if not full_disk(exc):
                 raise
             if not self.disk_full:
                 self.show(lines=[f"disk full writing step {step} into {self.cfg.out} "
@@ -437,6 +437,13 @@ class Watcher:
             alerts=self.result.alerts,
         )
         self.display.show(view, row, list(lines))
+
+
+def full_disk(exc: OSError) -> bool:
+    """A full disk or quota (pyarrow's IO errors carry the reason in words, not an errno)."""
+    return exc.errno in FULL_DISK or any(
+        text in str(exc) for text in ("No space left", "Disk quota", "File too large")
+    )
 
 
 def _bound_dict(res: Any) -> dict[str, Any]:
