@@ -279,8 +279,21 @@ def report(
     """
     from mismatch_probe.report import load_report, render, write_outputs
     from mismatch_probe.report.comment import check_format, run_comment
+    from mismatch_probe.report.trend_run import is_trend_run
 
     check_format(fmt)
+    if is_trend_run(run_dir):  # probe ingest verl-log: the logged trend, no token store
+        from mismatch_probe.report.trend_run import (
+            load_trend_run,
+            render_trend_run,
+            write_trend_report,
+        )
+
+        view = load_trend_run(run_dir)
+        written = write_trend_report(view)
+        render_trend_run(view, _stdout_console())
+        _print_paths(_stdout_console(), {"report": written})
+        return
     ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
     paths = write_outputs(ctx, entries)
     if fmt == "pr-comment":

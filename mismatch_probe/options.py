@@ -519,7 +519,8 @@ FormatArg = Annotated[
     typer.Argument(
         metavar="FORMAT",
         help="Log format: prime-rl, nemo-rl, slime, miles-parquet, verl-dp, skyrl (these two "
-        "with --trust-pickle) or probe (our token schema).",
+        "with --trust-pickle) or probe (our token schema); probe ingest also takes verl-log "
+        "(verl's file-logger JSONL: a trend of the metrics verl logged, no tokens).",
     ),
 ]
 

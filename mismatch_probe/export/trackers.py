@@ -146,6 +146,7 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # the service writes the run file to its end before it stops
 
 
 class TrackioTracker:
