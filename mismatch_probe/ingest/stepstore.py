@@ -229,7 +229,7 @@ class StepStore:
 
     def finish(self) -> Any:
         """``steps.json``, ``run.json`` and the whole run's reports; returns the report's
-        ``RunContext`` (None when no step holds a trained token)."""
+        ``RunContext`` (None when no step holds a valid token: no report is written)."""
         from mismatch_probe.metrics import MetricsConfig
         from mismatch_probe.report import load_report, write_outputs
         from mismatch_probe.report.trend import write_steps
@@ -238,7 +238,7 @@ class StepStore:
         store.write_json(self.out / store.RUN_FILE, run)
         steps = {s: m for s, m in last_lines(self.out / STEPS_LOG) if m}
         write_steps(self.out, dict(sorted(steps.items())), MetricsConfig().describe())
-        if "counts" not in run:
+        if "counts" not in run or not steps:  # no step with a valid token: nothing to report
             return None
         ctx, entries = load_report(self.out, run=run)
         write_outputs(ctx, entries)
