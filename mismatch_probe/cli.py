@@ -454,7 +454,7 @@ def ingest(
     --temperature (the logs do not record how the rollouts were sampled).
     """
     from mismatch_probe.ingest import IngestConfig, parse_steps, run_ingest
-    from mismatch_probe.report.trend import render_ingest
+    from mismatch_probe.report.trend_run import render_ingest
 
     cfg = IngestConfig(
         format=format_name,

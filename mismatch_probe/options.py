@@ -27,8 +27,9 @@ CORRECTION = "Correction (IS weights and rejection)"
 BOUNDS = "Bounds"
 BASELINE = "Baseline"
 OUTPUT = "Output"
+WATCH = "Watching"
 PANELS: tuple[str, ...] = (MODEL, SELECTION, SAMPLING, PRECISION, ATTRIBUTION, SCALE)
-PANELS += (CORRECTION, BOUNDS, BASELINE, OUTPUT)  # output last on every command
+PANELS += (CORRECTION, BOUNDS, BASELINE, WATCH, OUTPUT)  # output last on every command
 
 RolloutIsOpt = Annotated[
     str,
@@ -721,8 +722,6 @@ def metric_options(command: Callable[..., None]) -> Callable[..., None]:
 
 
 # --- probe watch and probe export ------------------------------------------------------------
-
-WATCH = "Watching"
 
 WatchModelOpt = Annotated[
     str | None,

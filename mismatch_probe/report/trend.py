@@ -280,20 +280,9 @@ def step_metrics(run_dir: Path, step: str) -> dict[str, float]:
 def render_ingest(result: Any, console: Any) -> None:
     """``probe ingest``'s output: the terminal report (with the trend), then what was read."""
     from mismatch_probe.report import render
-    from mismatch_probe.report.trend_run import TrendRun, render_trend_run
 
-    counts, source = result.run.get("counts", {}), result.run.get("source", {})
-    if isinstance(result.report, TrendRun):  # verl-log: the logged metrics, no token store
-        render_trend_run(result.report, console)
-        console.print(
-            f"ingested {source.get('format')} {source.get('path')}: {counts.get('steps')} steps "
-            f"({counts.get('first_step')}..{counts.get('last_step')}), {counts.get('metrics')} "
-            f"rollout_corr metrics -> {result.out}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return
     render(result.report, None, console)
+    counts, source = result.run.get("counts", {}), result.run.get("source", {})
     untrained = counts.get("steps_without_trained_tokens") or []
     note = f" (no trained token at step {', '.join(map(str, untrained))})" if untrained else ""
     console.print(

@@ -136,3 +136,21 @@ def trend_bounds(run_dir: Path, bounds: Any, step: str | None) -> tuple[int, tup
     results = tuple(evaluate_bounds(bounds, view.steps[number]))
     note = f"step {number} of a trend run: {NO_INTEGRITY[0].lower()}{NO_INTEGRITY[1:]}"
     return number, results, note
+
+
+def render_ingest(result: Any, console: Any) -> None:
+    """``probe ingest``'s output: a trend run's (verl-log), else ``trend.render_ingest``."""
+    from mismatch_probe.report import trend
+
+    if not isinstance(result.report, TrendRun):
+        trend.render_ingest(result, console)
+        return
+    render_trend_run(result.report, console)
+    counts, source = result.run.get("counts", {}), result.run.get("source", {})
+    console.print(
+        f"ingested {source.get('format')} {source.get('path')}: {counts.get('steps')} steps "
+        f"({counts.get('first_step')}..{counts.get('last_step')}), {counts.get('metrics')} "
+        f"rollout_corr metrics -> {result.out}",
+        highlight=False,
+        soft_wrap=True,
+    )
