@@ -32,6 +32,7 @@ from mismatch_probe.ingest import miles, nemo_rl, prime_rl, skyrl, slime, verl_d
 from mismatch_probe.ingest.hook import MANIFEST_GLOB
 
 Stamp = tuple[Any, ...]
+CACHE_AFTER_NS = 2_000_000_000  # file times tick in jiffies: trust a directory older than this
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Follower:
         self.path = path
         self.settle = settle
         self.first_seen: dict[int, tuple[Stamp, float]] = {}  # step -> (stamp, since when)
+        self.marked: dict[int, Seen] = {}  # directory layouts: the last look, by dir mtime
 
     def root(self) -> Path | None:
         """Where the steps are: ``path/subdir`` when it exists, else ``path`` (None: no
@@ -147,12 +149,22 @@ class Follower:
                 continue  # removed between the listing and now
             seen[step] = self._seen(step, entry, stamp, step != last, now)
         self.first_seen = {s: v for s, v in self.first_seen.items() if s in seen}
+        self.marked = {s: v for s, v in self.marked.items() if s in seen}
         return seen
 
     def _seen(self, step: int, entry: Path, stamp: Stamp, later: bool, now: float) -> Seen:
         if self.layout.marker is not None:
+            # a marker comes or goes by a file created, removed or renamed in the step's
+            # directory, which changes its mtime: a directory unchanged for longer than the
+            # clock's granularity (``CACHE_AFTER_NS``) is not read again
+            known = self.marked.get(step)
+            if known is not None and known.stamp[0] == stamp[1]:
+                return known
             marks = self.layout.marker(entry)
-            return Seen(step, entry, (stamp[1], marks), marks is not None)
+            seen = Seen(step, entry, (stamp[1], marks), marks is not None)
+            if time.time_ns() - stamp[1] > CACHE_AFTER_NS:
+                self.marked[step] = seen
+            return seen
         previous = self.first_seen.get(step)
         if previous is None or previous[0] != stamp:
             self.first_seen[step] = (stamp, now)

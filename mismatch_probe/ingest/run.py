@@ -203,7 +203,7 @@ def run_metadata(
         "off_policy": off_policy,
         "versions": library_versions(),
     }
-    rewritten = fmt.rewrites(cfg.path, cfg.steps)
+    rewritten = fmt.rewrites(cfg.path, cfg.steps) if cfg.path.is_dir() else []
     if rewritten:  # a restarted writer: the later attempt of each step replaced the earlier
         run["rewritten_steps"] = rewritten
     if model_dir is not None:

@@ -159,8 +159,10 @@ def run_watch(cfg: WatchConfig, display: Display) -> WatchResult:
     check_out(ing.out)
     if fmt.needs_model and ing.model is None:
         raise ProbeError(f"format {ing.format} logs rollout log-probs only: give --model")
-    if not ing.path.is_dir():
-        raise ProbeError(f"{ing.path}: no such directory")
+    if ing.path.exists() and not ing.path.is_dir():
+        raise ProbeError(f"{ing.path} is a file; give the directory the trainer writes to")
+    if not ing.path.is_dir() and not ing.path.parent.is_dir():
+        raise ProbeError(f"{ing.path}: no such directory, nor its parent")
     ing.out.mkdir(parents=True, exist_ok=True)
     with run_lock(ing.out):
         watcher = Watcher(cfg, display)
@@ -207,7 +209,11 @@ class Watcher:
         try:
             self.exporters = [open_exporter(spec, self.cfg.out) for spec in self.cfg.exports]
             with interrupt.stage("watching"), self.display:
-                self.show(status=self.status("waiting for the first complete step"))
+                waiting = "" if self.cfg.ingest.path.is_dir() else " (it does not exist yet)"
+                ing = self.cfg.ingest
+                first = (f"watching {ing.format} {ing.path} -> {self.cfg.out}: waiting for the "
+                         f"first complete step{waiting}")  # fmt: skip
+                self.show(lines=[first])
                 while not self.result.stopped:
                     self.look_once()
                     if not self.result.stopped:
