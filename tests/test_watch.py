@@ -125,6 +125,12 @@ def test_sigint_leaves_a_complete_run_of_hook_steps(tmp_path: Path) -> None:
     with _writer("probe", src, steps=30):
         watch = _probe(["watch", "probe", str(src), "--out", str(run), "--interval", "0.3"])
         _wait_for(lambda: len(_lines(run)) >= 3, "3 stored steps", watch)
+        # a reader sees the last complete step while watch writes (no steps.json yet)
+        check = subprocess.run([sys.executable, "-m", "mismatch_probe.cli", "check", str(run),
+                                "--step", "last", "--max", "k3_kl=1"], cwd=ROOT,
+                               capture_output=True, text=True)  # fmt: skip
+        assert check.returncode == 0, check.stderr
+        assert "✔ PASS  k3_kl" in check.stdout
         watch.send_signal(signal.SIGINT)
         code, _, err = _finish(watch)
     assert code == 130, err
@@ -183,11 +189,19 @@ def test_a_rewritten_step_replaces_and_a_removed_one_stays(tmp_path: Path) -> No
 def test_exit_on_alert_stops_at_the_faulty_step(tmp_path: Path) -> None:
     src, run = tmp_path / "outputs", tmp_path / "run"
     write_prime_rl(src, steps_data(3, fault=2))
+    exported = tmp_path / "live.jsonl"
     watch = _probe(["watch", "prime-rl", str(src), "--out", str(run), "--exit-on-alert",
-                    "--max", "k3_kl=0.05", "--interval", "0.2"])  # fmt: skip
+                    "--max", "k3_kl=0.05", "--interval", "0.2", "--export", "jsonl",
+                    "--export-out", str(exported)])  # fmt: skip
     code, out, err = _finish(watch)
     assert code == 1, err
     assert [x["step"] for x in _lines(run)] == [1, 2]
+    # --export wrote each step as it was stored, verl's file-logger lines
+    lines = [json.loads(x) for x in exported.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    steps = _steps_json(run)
+    assert lines[1]["data"]["rollout_corr/k3_kl"] == steps["2"]["k3_kl"]
+    assert lines[1]["data"]["probe/integrity/errors"] == 0.0
     assert "stopped: alert at step 2 (--exit-on-alert)" in out
     assert json.loads((run / "run.json").read_text())["counts"]["last_step"] == 2
     assert (run / "report.md").is_file()

@@ -7,13 +7,16 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from mismatch_probe.ingest import ProbeWriter
+from mismatch_probe.ingest.alerts import run_on_alert
 from mismatch_probe.ingest.follow import LAYOUTS, Follower
-from mismatch_probe.ingest.watch import run_on_alert
 from mismatch_probe.report.watch import LiveView, StepRow, plain_line, render_live, sparkline
+from tests.cli_runner import run_probe
+from tests.ingest_fixtures import synthetic_steps, write_nemo_rl
 
 
 def _row(step: int, k3: float, alert: str = "", **kw: object) -> StepRow:
@@ -98,3 +101,24 @@ def test_on_alert_gets_the_alert_on_stdin(tmp_path: Path) -> None:
     assert run_on_alert("sleep 5", {"step": 3}, timeout=0.2) == (
         "--on-alert command still running after 0.2 s: stopped"
     )
+
+
+def test_watch_reads_a_marker_less_format_once_settled(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    """NeMo-RL's one file per step: step 1 is read once step 2 exists, step 2 (the last) once
+    it has not changed for --settle seconds; the numbers are probe ingest's."""
+    from mismatch_probe.ingest import IngestConfig, run_ingest
+
+    src, run = tmp_path / "logs", tmp_path / "run"
+    write_nemo_rl(src, synthetic_steps([1, 2], seqs=3))
+    args = ["watch", "nemo-rl", str(src), "--out", str(run), "--until", "2", "--settle", "1",
+            "--interval", "0.2"]  # fmt: skip
+    code, out, err = run_probe(args, monkeypatch, capsys)
+    assert code == 0, err
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("step")] == [
+        "step 1", "step 2"
+    ]  # fmt: skip
+    watched = json.loads((run / "steps.json").read_text())["steps"]
+    ingested = run_ingest(IngestConfig("nemo-rl", src, tmp_path / "ingest")).steps
+    assert watched == {str(s): m for s, m in ingested.items()}

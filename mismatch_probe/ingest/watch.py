@@ -25,28 +25,26 @@ again at the next look, earlier steps untouched.
 from __future__ import annotations
 
 import errno
-import json
-import subprocess
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mismatch_probe import interrupt, store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest.alerts import run_on_alert, step_alert
 from mismatch_probe.ingest.follow import LAYOUTS, Follower, Seen, Stamp
 from mismatch_probe.ingest.formats import get_format
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord, StepRange
 from mismatch_probe.ingest.run import check_out, run_metadata
 from mismatch_probe.ingest.stepstore import StepStore, StoredStep
 from mismatch_probe.metrics.integrity import ERROR
-from mismatch_probe.report.check import Bound, evaluate_bounds
+from mismatch_probe.report.check import Bound
 from mismatch_probe.report.watch import Display, LiveView, StepRow
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-ON_ALERT_TIMEOUT = 60.0  # seconds an --on-alert command may take
 RECENT = 60  # steps kept for the live view's trend
 
 
@@ -77,7 +75,7 @@ class WatchConfig:
     interval: float = 1.0
     settle: float = 30.0
     audit_every: int | None = None
-    exports: tuple[Any, ...] = field(default=())
+    exports: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         get_format(self.ingest.format)
@@ -343,7 +341,6 @@ class Watcher:
             match = self.follower.layout.pattern.match(entry.name)
             if match and int(match.group(1)) == step:
                 dest = target / entry.name
-                shutil.rmtree(dest, ignore_errors=True) if dest.is_dir() else None
                 if entry.is_dir():
                     shutil.copytree(entry, dest, dirs_exist_ok=True)
                 else:
@@ -382,26 +379,7 @@ class Watcher:
             pass  # a config file still being written: read at the next step
 
     def alert_of(self, stored: StoredStep) -> dict[str, Any] | None:
-        """The step's alert: the bounds that fail, the integrity errors (None: neither)."""
-        failed = []
-        if self.cfg.bounds and stored.metrics:
-            results = evaluate_bounds(self.cfg.bounds, stored.metrics)  # unknown name: exit 2
-            failed = [r for r in results if not r.passed]
-        errors = [f for f in stored.findings if f.severity == ERROR]
-        if not failed and not errors:
-            return None
-        sign = {"max": ">", "min": "<"}
-        parts = [f"{r.bound.metric} = {r.value:.4g} {sign[r.bound.kind]} {r.bound.limit:g} "
-                 f"({r.bound.kind})" for r in failed]  # fmt: skip
-        parts += [f"integrity error {f.check}" for f in errors]
-        return {
-            "type": "bound" if failed else "integrity",
-            "step": stored.step,
-            "attempt": stored.attempt,
-            "message": "; ".join(parts),
-            "bounds": [_bound_dict(r) for r in failed],
-            "integrity": [f.to_dict() for f in errors],
-        }
+        return step_alert(stored, self.cfg.bounds)
 
     def raise_alert(self, alert: dict[str, Any], stored: StoredStep | None) -> None:
         from mismatch_probe.report.watch import alert_line
@@ -452,11 +430,6 @@ def full_disk(exc: OSError) -> bool:
     )
 
 
-def _bound_dict(res: Any) -> dict[str, Any]:
-    b = res.bound
-    return {"metric": b.metric, "kind": b.kind, "limit": b.limit, "value": res.value}
-
-
 def point_of(stored: StoredStep) -> Any:
     """A stored step as the exporters take it."""
     from mismatch_probe.export import StepPoint
@@ -475,23 +448,3 @@ def _lag_max(stored: StoredStep) -> float | None:
 
 def _not_read_yet() -> dict[str, Any]:
     return {"max_off_policy_steps": None, "source": "not read yet", "staleness": None}
-
-
-def run_on_alert(command: str, alert: dict[str, Any], timeout: float = ON_ALERT_TIMEOUT) -> str:
-    """Run ``command`` (a shell line) with ``alert`` as JSON on its stdin; ``""`` when it
-    succeeded, else one line saying how it failed (the watch goes on)."""
-    text = json.dumps(alert, allow_nan=False, sort_keys=True)
-    try:
-        done = subprocess.run(command, shell=True, input=text, text=True, timeout=timeout,
-                              capture_output=True, check=False)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"--on-alert command still running after {timeout:g} s: stopped"
-    except OSError as exc:
-        return f"--on-alert command could not run ({store.os_error_reason(exc)})"
-    if done.returncode:
-        err = " ".join((done.stderr or "").split())[:200]
-        return f"--on-alert command exited {done.returncode}" + (f": {err}" if err else "")
-    return ""
-
-
-Reader = Callable[[IngestConfig], Iterable[SeqRecord]]
