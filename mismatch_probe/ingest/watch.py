@@ -216,14 +216,15 @@ class Watcher:
                     self.look_once()
                     if not self.result.stopped:
                         time.sleep(self.cfg.interval)
-        except interrupt.Interrupted as exc:
+        except (interrupt.Interrupted, ProbeError) as exc:  # RUN is finished either way
             stopped = exc
         with interrupt.stage("finishing"):
             for exporter in self.exporters:
                 exporter.close()
             self.result.report = self.store.finish()
-        if stopped is not None:
+        if isinstance(stopped, interrupt.Interrupted):
             interrupt.resumable(self.kept)
+        if stopped is not None:
             raise stopped
         return self.result
 
