@@ -122,3 +122,18 @@ def test_watch_reads_a_marker_less_format_once_settled(
     watched = json.loads((run / "steps.json").read_text())["steps"]
     ingested = run_ingest(IngestConfig("nemo-rl", src, tmp_path / "ingest")).steps
     assert watched == {str(s): m for s, m in ingested.items()}
+
+
+def test_a_bound_on_no_metric_is_exit_2_and_run_is_still_finished(
+    tmp_path: Path, monkeypatch: Any, capsys: Any
+) -> None:
+    from tests.ingest_fixtures import write_prime_rl
+
+    src, run = tmp_path / "outputs", tmp_path / "run"
+    write_prime_rl(src, synthetic_steps([1], seqs=2))
+    args = ["watch", "prime-rl", str(src), "--out", str(run), "--max", "k3_kll=1",
+            "--interval", "0.1"]  # fmt: skip
+    code, _, err = run_probe(args, monkeypatch, capsys)
+    assert code == 2
+    assert err == "error: --max k3_kll: unknown metric (did you mean k3_kl?)\n"
+    assert sorted(json.loads((run / "steps.json").read_text())["steps"]) == ["1"]

@@ -103,7 +103,7 @@ def bench_watch() -> dict[str, Any]:
                 writer.kill()
         if watch.returncode:
             raise RuntimeError(f"probe watch exited {watch.returncode}: {err}")
-        written = [json.loads(x)["s"] for x in times.read_text().split()]
+        written = [json.loads(x)["s"] for x in times.read_text().splitlines()]
         stored = [json.loads(x)["time"] for x in log.read_text().splitlines()]
     per_step = np.diff(stored)  # watch busy throughout: its time per step
     fifth = max(len(per_step) // 5, 1)
