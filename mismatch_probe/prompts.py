@@ -257,3 +257,13 @@ def _close_text(rendered: str, pid: int) -> str:
     if at < 0:
         raise ProbeError(f"prompt {pid}: the chat template drops an assistant message's content")
     return rendered[at + len(PLACEHOLDER) :]
+
+
+def decode_tokens(tokenizer: Any, token_ids: Any) -> list[str]:
+    """Each token's text on its own (decoded once per distinct id); ``token_ids`` is a ``[N]``
+    integer array. Shared by the scan's and ingest's token tables."""
+    import numpy as np
+
+    unique = np.unique(token_ids).tolist()
+    text = dict(zip(unique, tokenizer.batch_decode([[t] for t in unique]), strict=True))
+    return [text[t] for t in token_ids.tolist()]

@@ -22,6 +22,10 @@ from typing import Literal
 LogprobsMode = Literal["processed", "raw"]
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS
 VLLM_LOGPROBS_MODE = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+# The support-flip margin by dtype (the scan's and ingest's rescoring): about one unit in the
+# last place of a probability near 1, so a boundary within either side's rounding error counts as
+# a possible flip.
+FLIP_EPS = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.report.check import Bound
-from mismatch_probe.report.check_config import CheckConfig
+from mismatch_probe.gate.bounds import Bound
+from mismatch_probe.gate.config import CheckConfig
 from tests.cli_runner import run_probe
 from tests.test_report_fixtures import matrix_run, uniform_seqs
 

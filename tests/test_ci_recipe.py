@@ -20,7 +20,7 @@ import pytest
 import typer
 import yaml
 
-from mismatch_probe.report.check import parse_bound, parse_increase
+from mismatch_probe.gate.bounds import parse_bound, parse_increase
 from mismatch_probe.report.comment import FORMATS
 from tests.test_docs import COMMANDS
 

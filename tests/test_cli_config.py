@@ -81,7 +81,7 @@ def test_the_metric_options_are_one_block(monkeypatch: pytest.MonkeyPatch) -> No
     """``probe metrics`` and ``probe report`` take the same options, built into one config."""
     seen: list[MetricsConfig] = []
     monkeypatch.setattr(
-        "mismatch_probe.report.load_report", lambda run_dir, cfg, **_: seen.append(cfg) or 1 / 0
+        "mismatch_probe.rundir.load_report", lambda run_dir, cfg, **_: seen.append(cfg) or 1 / 0
     )
     monkeypatch.setattr("mismatch_probe.metrics.compute_metrics", lambda p, cfg, setting: 1 / 0)
     args = ["--rollout-is", "sequence", "--rollout-is-threshold", "0.5_5.0", "--rollout-rs",

@@ -281,8 +281,8 @@ def test_an_interrupted_plot_leaves_no_file_under_its_name(
     is gone, and an earlier complete PNG stays as it was."""
     from matplotlib.figure import Figure
 
-    from mismatch_probe.report import load_run
     from mismatch_probe.report.plots import write_plots
+    from mismatch_probe.rundir import load_run
 
     run = uniform_run(tmp_path / "run", 0.01, [3, 4])
     plots = run / store.PLOTS_DIR
@@ -305,10 +305,11 @@ def test_an_interrupted_plot_leaves_no_file_under_its_name(
 
 
 def test_compare_md_is_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mismatch_probe.gate.compare import load_comparison
     from mismatch_probe.report import compare
 
     runs = [uniform_run(tmp_path / f"r{i}", 0.01 * (i + 1), [3]) for i in range(2)]
-    comparison = compare.load_comparison(runs)
+    comparison = load_comparison(runs)
     out = tmp_path / "cmp"
     out.mkdir()
     (out / store.COMPARE_FILE).write_text("an earlier comparison")
@@ -487,12 +488,10 @@ def _escape_run(tmp_path: Path, name: str = "run") -> Path:
 
 
 def test_control_characters_are_escaped_in_every_renderer(tmp_path: Path) -> None:
-    from mismatch_probe.report import load_report, render, write_outputs
-    from mismatch_probe.report.compare import (
-        load_comparison,
-        render_comparison,
-        write_comparison,
-    )
+    from mismatch_probe.gate.compare import load_comparison
+    from mismatch_probe.report import render, write_outputs
+    from mismatch_probe.report.compare import render_comparison, write_comparison
+    from mismatch_probe.rundir import load_report
 
     run = _escape_run(tmp_path)
     ctx, entries = load_report(run)
@@ -540,7 +539,7 @@ NON_FINITE = re.compile(r"(?i)(?<![a-z])(nan|-?inf(inity)?)(?![a-z])")
 def test_non_finite_metrics_json_is_recomputed(
     bad: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from mismatch_probe.report import load_run
+    from mismatch_probe.rundir import load_run
 
     run = uniform_run(tmp_path / "run", 0.01, [3, 4])
     good = json.loads((run / store.METRICS_FILE).read_text())
@@ -566,7 +565,7 @@ def test_non_finite_metrics_json_is_recomputed(
 
 
 def test_incomplete_metrics_json_is_recomputed(tmp_path: Path) -> None:
-    from mismatch_probe.report import load_run
+    from mismatch_probe.rundir import load_run
 
     run = uniform_run(tmp_path / "run", 0.01, [3, 4])
     good = json.loads((run / store.METRICS_FILE).read_text())
@@ -576,16 +575,16 @@ def test_incomplete_metrics_json_is_recomputed(tmp_path: Path) -> None:
 
 
 def test_non_finite_throughput_is_left_out(tmp_path: Path) -> None:
-    from mismatch_probe.report.settings import _throughput
+    from mismatch_probe.rundir.loader import throughput
 
     (tmp_path / store.SETTINGS_FILE).write_text(
         '{"settings": {"a": {"rollout_tokens_per_s": NaN}, "b": {"rollout_tokens_per_s": 3.5}}}'
     )
-    assert _throughput(tmp_path) == {}  # the whole file is refused: never a NaN in a report
+    assert throughput(tmp_path) == {}  # the whole file is refused: never a NaN in a report
     (tmp_path / store.SETTINGS_FILE).write_text(
         '{"settings": {"b": {"rollout_tokens_per_s": 3.5}}}'
     )
-    assert _throughput(tmp_path) == {"b": 3.5}
+    assert throughput(tmp_path) == {"b": 3.5}
 
 
 # --- the rest of the battery -------------------------------------------------------------------

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from mismatch_probe.gate.compare import load_comparison
 from mismatch_probe.hardware import KERNEL_FLAGS, compute_key, cpu_info, hardware
-from mismatch_probe.report.compare import load_comparison
 from tests.test_report_baseline import LENGTHS, edit_run_json
 from tests.test_report_check import run_main
 from tests.test_report_fixtures import uniform_run

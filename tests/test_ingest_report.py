@@ -10,13 +10,8 @@ from typing import Any
 import pytest
 
 from mismatch_probe.ingest import IngestConfig, run_ingest
-from mismatch_probe.report.trend import (
-    MAX_ROWS,
-    build_trend,
-    render_markdown,
-    shown_steps,
-    staleness_note,
-)
+from mismatch_probe.report.trend_table import MAX_ROWS, render_markdown, shown_steps
+from mismatch_probe.rundir.trend import build_trend, staleness_note
 from tests.cli_runner import run_probe as run_main
 from tests.ingest_fixtures import synthetic_steps, write_prime_rl, write_slime
 

@@ -19,11 +19,12 @@ import pytest
 from rich.console import Console
 
 from mismatch_probe import store
-from mismatch_probe.report import load_report, write_outputs
+from mismatch_probe.report import write_outputs
 from mismatch_probe.report.comment import run_comment
 from mismatch_probe.report.integrity import CLEAN, integrity_markdown, integrity_text
 from mismatch_probe.report.markdown import escape
 from mismatch_probe.report.terminal import render_run
+from mismatch_probe.rundir import load_report
 from tests.cli_runner import run_probe
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 
@@ -321,8 +322,9 @@ def test_bare_urls_from_model_text_are_not_links(tmp_path: Path) -> None:
 
 
 def test_compare_shows_each_runs_integrity_first(tmp_path: Path) -> None:
+    from mismatch_probe.gate.compare import load_comparison
     from mismatch_probe.report.comment import comparison_comment
-    from mismatch_probe.report.compare import load_comparison, write_comparison
+    from mismatch_probe.report.compare import write_comparison
 
     clean = uniform_run(tmp_path / "main", 0.01, [4, 6])
     bad = positive_run(tmp_path / "pr")

@@ -1,6 +1,7 @@
 """The architecture, checked: import arrows run one way, and presentation lives in ``report/``.
 
-cli -> pipeline -> (engine, training, routing, metrics, report) -> store. Every module has a rank;
+cli -> (pipeline, ingest) -> report -> gate -> rundir -> (engine, training, routing, metrics)
+-> store. Every module has a rank;
 a module imports only modules of a lower rank (or of its own package). Type-only imports count:
 a cycle for the type checker is still a cycle for the reader.
 """
@@ -18,15 +19,18 @@ PACKAGE = Path(mismatch_probe.__file__).parent
 RANKS = {
     "cli": 10, "options": 9,  # the thin layer: options declared once
     "cli_help": 9.5,  # the help around the options: command order, --version, examples
-    "ingest": 8,  # a framework's logs (reuses the pipeline's config, tables and run metadata)
-    "export": 6,  # a run's numbers into trackers (reads the run as report/ does; watch calls it)
+    # the two producers of a run directory, side by side: neither imports the other
     "pipeline": 7,  # the orchestration: scan stages, records, run.json, sharding, Ray, attribution
+    "ingest": 7,  # a framework's logs instead of our rollouts
+    "export": 6,  # a run's numbers into trackers (reads the run through rundir/; watch calls it)
     "report": 5,  # the only stage that renders
+    "gate": 4.6,  # probe check and the comparison of runs: numbers and verdicts, no rendering
+    "rundir": 4.3,  # the one reader of a run directory: the views report and gate are handed
     "engine": 4, "training": 4,  # the two sides of the mismatch: vLLM, transformers
     "routing": 3,  # MoE routes: shapes, replay, their store and metrics
     "metrics": 2,
     "models": 1, "sampling": 1, "settings": 1, "prompts": 1, "progress": 1, "interrupt": 1,
-    "hardware": 1,
+    "hardware": 1, "option_rules": 1,
     "store": 0,  # the contract between stages
     "errors": -2,
 }  # fmt: skip
@@ -109,7 +113,7 @@ def test_the_engine_and_training_sides_stay_apart() -> None:
 
 
 def _module_name(path: Path) -> str:
-    """``report/trend.py`` -> ``mismatch_probe.report.trend``; a package's ``__init__`` -> it."""
+    """``report/plots.py`` -> ``mismatch_probe.report.plots``; a package's ``__init__`` -> it."""
     parts = ("mismatch_probe", *path.relative_to(PACKAGE).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

@@ -14,7 +14,7 @@ import pytest
 
 from mismatch_probe.cli import main
 from mismatch_probe.metrics import PRESETS, MetricsConfig, compute_metrics
-from mismatch_probe.report.recommend import OUTCOMES
+from mismatch_probe.metrics.recommend import OUTCOMES
 from mismatch_probe.store import TOKEN_SCHEMA, TOKENS_FILE, write_table
 
 SETTINGS = ("rollout=bf16 | train=fp32", "rollout=fp32 | train=fp32")

@@ -126,8 +126,8 @@ def test_identity_gives_the_physical_limit(tmp_path: Path) -> None:
 
 
 def test_nemo_verdict_cites_its_source() -> None:
+    from mismatch_probe.metrics.verdicts import FAIL, PASS, evaluate
     from mismatch_probe.report.markdown import verdict_section
-    from mismatch_probe.report.verdicts import FAIL, PASS, evaluate
 
     limit = {v.check.metric: v for v in evaluate({"token_mult_prob_error": 1.05})}
     assert limit["token_mult_prob_error"].status == PASS  # the bound is inclusive

@@ -19,8 +19,8 @@ from mismatch_probe import store
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.scan import run_scan
 from mismatch_probe.pipeline.sharding import run_sharded
-from mismatch_probe.report import load_report
 from mismatch_probe.report.comment import run_comment
+from mismatch_probe.rundir import load_report
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import RolloutSetting, Setting
 

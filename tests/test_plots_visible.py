@@ -18,8 +18,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.container import Container
 from matplotlib.lines import Line2D
 
+from mismatch_probe.gate.compare import load_comparison
 from mismatch_probe.report import write_report
-from mismatch_probe.report.compare import load_comparison, write_comparison
+from mismatch_probe.report.compare import write_comparison
 from tests.test_report_fixtures import Seq, make_run, matrix_run
 
 IDENTITY = "rollout=fp32 | train=fp32"

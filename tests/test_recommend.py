@@ -15,10 +15,11 @@ import pytest
 from mismatch_probe import store
 from mismatch_probe.cli import main
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
-from mismatch_probe.report import load_report, write_outputs
+from mismatch_probe.metrics.recommend import CONCENTRATED, Recommendation, recommend
+from mismatch_probe.report import write_outputs
 from mismatch_probe.report.comment import run_comment
 from mismatch_probe.report.markdown import escape
-from mismatch_probe.report.recommend import CONCENTRATED, Recommendation, recommend
+from mismatch_probe.rundir import load_report
 
 SEQS, LEN = 200, 20
 SETTING = "rollout=bf16 | train=fp32"

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.report import bootstrap
-from mismatch_probe.report.baseline import IncreaseResult, differences, run_gate
-from mismatch_probe.report.check import Increase, parse_increase
+from mismatch_probe.gate import bootstrap
+from mismatch_probe.gate.baseline import IncreaseResult, differences, gate
+from mismatch_probe.gate.bounds import Increase, parse_increase
+from mismatch_probe.gate.config import CheckConfig
 from mismatch_probe.report.integrity import CLEAN
 from tests.test_report_check import run_main
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
@@ -298,12 +299,13 @@ def test_noise_passes_and_a_real_increase_fails(tmp_path: Path) -> None:
     main = per_sequence_run(tmp_path / "main", r_main)
     noisy = per_sequence_run(tmp_path / "noisy", r_pr)
     worse = per_sequence_run(tmp_path / "worse", 1.5 * r_main)
-    gate = run_gate(noisy, [], [], main, ["k3_kl=1.0x"])
-    (res,) = gate.increases
+    result = gate(CheckConfig.from_options(noisy, baseline=main, increases=["k3_kl=1.0x"]))
+    (res,) = result.increases
     assert res.value > res.base and not res.point_passed  # above the limit, point-wise
     assert res.excess_ci is not None and res.excess_ci[0] <= 0 < res.excess_ci[1]
-    assert gate.passed
-    (res,) = run_gate(worse, [], [], main, ["k3_kl=1.5x"]).increases
+    assert result.passed
+    cfg = CheckConfig.from_options(worse, baseline=main, increases=["k3_kl=1.5x"])
+    (res,) = gate(cfg).increases
     assert res.excess_ci is not None and res.excess_ci[0] > 0 and not res.passed
 
 

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pytest
 
 from mismatch_probe import store
-from mismatch_probe.report.causes import describe, known_causes
-from mismatch_probe.report.context import load_run
 from mismatch_probe.routing.shape import RoutingShape
 from mismatch_probe.routing.store import routing_table, write_routing
+from mismatch_probe.rundir.causes import describe, known_causes
+from mismatch_probe.rundir.context import load_run
 from tests.test_report_fixtures import SETTING, make_run, token_table, uniform_seqs
 
 LN = math.log

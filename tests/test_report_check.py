@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mismatch_probe.report.check import parse_bound
+from mismatch_probe.gate.bounds import parse_bound
 from mismatch_probe.report.integrity import CLEAN
 from tests.cli_runner import run_probe
 from tests.test_report_fixtures import uniform_run

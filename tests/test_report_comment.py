@@ -12,7 +12,8 @@ import pytest
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
-from mismatch_probe.report import load_report, load_run
+from mismatch_probe.gate.compare import load_comparison
+from mismatch_probe.metrics.verdicts import HEALTH_CHECKS
 from mismatch_probe.report.comment import (
     CLIP,
     COMMENT_LIMIT,
@@ -22,9 +23,8 @@ from mismatch_probe.report.comment import (
     fit,
     run_comment,
 )
-from mismatch_probe.report.compare import load_comparison
 from mismatch_probe.report.sections import visible
-from mismatch_probe.report.verdicts import HEALTH_CHECKS
+from mismatch_probe.rundir import load_report, load_run
 from tests.cli_runner import run_probe as run_cli
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 from tests.test_report_html import HOSTILE, hostile_seq

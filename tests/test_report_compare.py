@@ -14,14 +14,9 @@ import pytest
 
 from mismatch_probe import cli, store
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.report import load_run
-from mismatch_probe.report.compare import (
-    OVERLAYS,
-    Entry,
-    compare_rows,
-    load_comparison,
-    run_differences,
-)
+from mismatch_probe.gate.compare import load_comparison, run_differences
+from mismatch_probe.report.compare import OVERLAYS, compare_rows
+from mismatch_probe.rundir import Entry, load_run
 from tests.test_report_fixtures import SETTING, run_metadata, token_table, uniform_run, uniform_seqs
 
 
@@ -40,7 +35,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def test_ratios_to_the_first_run(runs: list[Path]) -> None:
     comparison = load_comparison(runs)
     assert [e.label for e in comparison.entries] == ["a", "b"]  # same setting: directory names
-    rows = {row.key: row for row in comparison.rows}
+    rows = {row.key: row for row in compare_rows(list(comparison.entries))}
     assert rows["num_tokens"].values == (10.0, 20.0)
     assert rows["num_tokens"].ratios == (1.0, 2.0)
     assert rows["kl"].ratios[1] == pytest.approx(3.0, rel=1e-4)  # kl = -r

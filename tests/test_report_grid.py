@@ -230,7 +230,7 @@ def test_setting_order_from_the_store_before_run_json(tmp_path: Path) -> None:
     """A scan writes its reports before run.json: the scan's order comes from the run metadata
     in the token store, not the alphabet (bf16 < fp32 would make bf16 the reference)."""
     from mismatch_probe import store
-    from mismatch_probe.report.settings import setting_names
+    from mismatch_probe.rundir.context import setting_names
 
     seqs = {FP32: uniform_seqs(0.0, [4]), BF16: uniform_seqs(0.01, [4])}
     run = matrix_run(tmp_path / "m", seqs)

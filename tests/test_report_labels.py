@@ -14,10 +14,11 @@ from rich.console import Console
 
 from mismatch_probe import models, store
 from mismatch_probe.metrics.presets import PRESETS
-from mismatch_probe.report import load_report, render, write_report
+from mismatch_probe.report import render, write_report
 from mismatch_probe.report.comment import run_comment
-from mismatch_probe.report.context import load_run
 from mismatch_probe.report.sections import settings_rows
+from mismatch_probe.rundir import load_report
+from mismatch_probe.rundir.context import load_run
 from tests.test_report_fixtures import make_run, mixed_seqs
 
 HOME = "/home/alice/private-project"

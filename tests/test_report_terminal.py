@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, evaluate
 from mismatch_probe.report import render_terminal
 from mismatch_probe.report.terminal import histogram, verdict_table
-from mismatch_probe.report.verdicts import FAIL, NA, PASS, evaluate
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs
 
 METRICS = {

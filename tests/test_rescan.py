@@ -119,7 +119,7 @@ def test_the_command_keeps_a_hub_id_and_batch_invariance(tmp_path: Path) -> None
     """A model read from the Hugging Face cache is re-scanned by its hub id (its snapshot path is
     this machine's cache), and a batch-invariant run asks for batch invariance again."""
     from mismatch_probe.pipeline.config import ScanConfig
-    from mismatch_probe.report.rescan import rescan_command
+    from mismatch_probe.rundir.rescan import rescan_command
 
     config = ScanConfig(rollout_dtypes=("float32",), batch_invariant=True).to_dict()
     run = {

@@ -207,7 +207,7 @@ def test_rerender_fractions_hand_computed(tmp_path: Path) -> None:
 
 
 def _turn_context(tmp_path: Path) -> Any:
-    from mismatch_probe.report.context import RunContext
+    from mismatch_probe.rundir.context import RunContext
 
     row = {"sequences": 2, "tokens": 10, "kl": 0.001, "abs_log_ratio_mean": 0.02}
     rows = (

@@ -95,7 +95,7 @@ def is_verl_name(name: str) -> bool:
 
 def scalars(point: StepPoint, resumed: bool = False) -> dict[str, float]:
     """Every scalar of a step under its tracker names (see the module docstring)."""
-    from mismatch_probe.report.verdicts import HEALTH_CHECKS, RULES
+    from mismatch_probe.metrics.verdicts import HEALTH_CHECKS, RULES
 
     theirs = "probe/" if resumed else ""
     metrics = point.metrics

@@ -29,7 +29,7 @@ def run_points(run_dir: Path) -> Iterator[StepPoint]:
         yield from (StepPoint(s, m) for s, m in steps.items())
         return
     from mismatch_probe.metrics import compute_metrics
-    from mismatch_probe.report.integrity import run_integrity
+    from mismatch_probe.rundir.integrity import run_integrity
 
     integrity = run_integrity(run_dir)
     tokens = store.resolve_tokens_path(run_dir)
@@ -53,7 +53,7 @@ def _steps(run_dir: Path) -> dict[int, dict[str, float]]:
         pass
     if not _has_tokens(run_dir):
         raise ProbeError(f"{run_dir} has no steps.json and no token store: nothing per step")
-    from mismatch_probe.report.trend import read_steps
+    from mismatch_probe.rundir.trend import read_steps
 
     found = read_steps(run_dir, None)
     if not found:

@@ -15,9 +15,9 @@ import subprocess
 from typing import Any
 
 from mismatch_probe import store
+from mismatch_probe.gate.bounds import Bound, BoundResult, evaluate_bounds
 from mismatch_probe.ingest.stepstore import StoredStep
 from mismatch_probe.metrics.integrity import ERROR
-from mismatch_probe.report.check import Bound, BoundResult, evaluate_bounds
 
 ON_ALERT_TIMEOUT = 60.0  # seconds an --on-alert command may take
 SIGN = {"max": ">", "min": "<"}

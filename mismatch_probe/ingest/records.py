@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.pipeline.config import DTYPES, check_choices, check_options
+from mismatch_probe.option_rules import check_choices, check_options
+from mismatch_probe.settings import DTYPES
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class IngestConfig:
     batch_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        """The options' rules, the same functions as the scan's (``config.check_options``),
+        """The options' rules, the same functions as the scan's (``option_rules.check_options``),
         checked before anything is read."""
         check_options({"--temperature": self.temperature, "--batch-tokens": self.batch_tokens})
         check_choices((self.train_dtype,), DTYPES, "--train-dtype")

@@ -18,8 +18,7 @@ import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.records import SeqRecord
-from mismatch_probe.pipeline.config import FLIP_EPS
-from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.sampling import FLIP_EPS, SamplingSpec
 from mismatch_probe.training import rescore
 
 CHUNK_BATCHES = 8

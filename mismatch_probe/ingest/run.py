@@ -70,7 +70,7 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
 def _ingest_verl_log(cfg: IngestConfig) -> IngestResult:
     """verl's file-logger JSONL as a trend run (``verl_log``), published like any ingest."""
     from mismatch_probe.ingest.verl_log import ingest_verl_log
-    from mismatch_probe.report.trend_run import load_trend_run
+    from mismatch_probe.rundir.trend_run import load_trend_run
 
     check_out(cfg.out)
     if cfg.model is not None:
@@ -109,8 +109,9 @@ def _ingest_into(
 ) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any]:
     from mismatch_probe.metrics import compute_metrics
     from mismatch_probe.metrics.steps import compute_step_metrics
-    from mismatch_probe.report import load_report, write_outputs
-    from mismatch_probe.report.trend import write_steps
+    from mismatch_probe.report import write_outputs
+    from mismatch_probe.rundir.loader import load_report
+    from mismatch_probe.rundir.trend import write_steps
 
     with interrupt.stage("reading"):
         off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
@@ -176,7 +177,7 @@ def run_metadata(
     cfg: IngestConfig, fmt: Format, off_policy: dict[str, Any], model_dir: Path | None
 ) -> dict[str, Any]:
     """``run.json`` of an ingested run (``counts`` added once the store is written)."""
-    from mismatch_probe.pipeline.runinfo import library_versions
+    from mismatch_probe.hardware import library_versions
 
     train = fmt.train_field or f"rescored with --model ({cfg.train_dtype}, T={cfg.temperature:g})"
     run: dict[str, Any] = {

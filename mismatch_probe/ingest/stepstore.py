@@ -231,8 +231,9 @@ class StepStore:
         """``steps.json``, ``run.json`` and the whole run's reports; returns the report's
         ``RunContext`` (None when no step holds a valid token: no report is written)."""
         from mismatch_probe.metrics import MetricsConfig
-        from mismatch_probe.report import load_report, write_outputs
-        from mismatch_probe.report.trend import write_steps
+        from mismatch_probe.report import write_outputs
+        from mismatch_probe.rundir import load_report
+        from mismatch_probe.rundir.trend import write_steps
 
         run = self.run_json()
         store.write_json(self.out / store.RUN_FILE, run)

@@ -93,8 +93,9 @@ def read_log(path: Path, steps: StepRange) -> tuple[dict[int, dict[str, float]],
 
 def ingest_verl_log(path: Path, out: Path, steps: StepRange) -> tuple[dict[str, Any], dict]:
     """Write the trend run (see the module docstring); returns ``(run, steps)``."""
-    from mismatch_probe.pipeline.runinfo import library_versions
-    from mismatch_probe.report.trend_run import TREND_KIND, write_trend_run
+    from mismatch_probe.hardware import library_versions
+    from mismatch_probe.report.trend_run import write_trend_run
+    from mismatch_probe.rundir.trend_run import TREND_KIND
 
     per_step, nulls = read_log(path, steps)
     names = sorted({k for m in per_step.values() for k in m})

@@ -34,6 +34,7 @@ from typing import Any
 
 from mismatch_probe import interrupt, store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.gate.bounds import Bound
 from mismatch_probe.ingest.alerts import run_on_alert, step_alert
 from mismatch_probe.ingest.follow import LAYOUTS, Follower, Seen, Stamp
 from mismatch_probe.ingest.formats import get_format
@@ -41,7 +42,6 @@ from mismatch_probe.ingest.records import IngestConfig, SeqRecord, StepRange
 from mismatch_probe.ingest.run import check_out, run_metadata
 from mismatch_probe.ingest.stepstore import StepStore, StoredStep
 from mismatch_probe.metrics.integrity import ERROR
-from mismatch_probe.report.check import Bound
 from mismatch_probe.report.watch import Display, LiveView, StepRow
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -114,8 +114,8 @@ class WatchConfig:
         """The config of the command line's options (``options``: the fields of the same name:
         ``on_alert``, ``until``, ``exit_on_alert``, ``interval``, ``settle``, ``audit_every``)."""
         from mismatch_probe.export import ExportSpec
+        from mismatch_probe.gate.bounds import parse_bounds
         from mismatch_probe.ingest.records import parse_steps
-        from mismatch_probe.report.check import parse_bounds
 
         ingest = IngestConfig(
             format=format_name,

@@ -175,7 +175,7 @@ class RunStoreWriter:
             "turn": np.concatenate(turns).astype(np.int32),
         }
         if self.tokenizer is not None:
-            from mismatch_probe.pipeline.tables import decode_tokens
+            from mismatch_probe.prompts import decode_tokens
 
             columns["token_text"] = decode_tokens(self.tokenizer, token_ids)
         self.tokens.write_table(pa.table(columns, schema=self.token_schema))

@@ -42,8 +42,10 @@ Module map: ``config`` (parsing, validation), ``batch`` (token batches, per-sequ
 reductions), ``weights`` (IS), ``rejection`` (RS), ``offpolicy``, ``parity``, ``diagnostics``,
 ``curves``, ``attribution`` (links between the rungs of ``--attribute``, per setting),
 ``preset_metrics``, ``decisions`` (clip fractions, threshold sweep), ``outliers``, ``entropy``,
-``stream`` (the one-pass ``MetricEngine``). Numbers only: the tables that
-show them are ``report.metrics_table``; the dense oracle that checks them lives in ``tests/``.
+``stream`` (the one-pass ``MetricEngine``), and the rules over the numbers: ``verdicts`` (the
+health checks' thresholds, pass/fail) and ``recommend`` (the recommendation rule, spec section
+7). Numbers and rules only: the tables that show them are ``report/``'s (``metrics_table``,
+``terminal``, ``markdown``); the dense oracle that checks them lives in ``tests/``.
 """
 
 from mismatch_probe.metrics.config import RS_OPTIONS, MetricsConfig

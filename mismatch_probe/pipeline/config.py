@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -12,7 +11,8 @@ from typing import Any
 
 from mismatch_probe.engine.args import check_reserved
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.sampling import SamplingSpec
+from mismatch_probe.option_rules import check_choices, check_options
+from mismatch_probe.sampling import FLIP_EPS, SamplingSpec
 from mismatch_probe.settings import (
     DTYPES,
     KV_CACHE_DTYPES,
@@ -27,27 +27,6 @@ from mismatch_probe.settings import (
 )
 from mismatch_probe.training.devices import DEVICE_MAPS
 
-# Support-flip margin by dtype: about one unit in the last place of a probability near 1, so a
-# boundary within either side's rounding error counts as a possible flip.
-FLIP_EPS = {"float32": 1e-4, "float16": 1e-3, "bfloat16": 8e-3}
-# The rules of each option that takes one value, shared by every config that takes it (scan's,
-# ingest's): option -> (does the value hold, what a valid value is). ``check_options`` first
-# refuses a float that is not finite (the engine rejects infinity only after it has started; NaN
-# passes every comparison), then applies the rule. None (an unset optional value) passes.
-OPTION_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "--max-tokens": (lambda v: v >= 1, ">= 1"),
-    "--samples-per-prompt": (lambda v: v >= 1, ">= 1"),
-    "--num-prompts": (lambda v: v >= 1, ">= 1"),
-    "--temperature": (lambda v: v >= 0, ">= 0"),
-    "--top-p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "--top-k": (lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
-    "--batch-tokens": (lambda v: v >= 1, ">= 1"),
-    "--flip-eps": (lambda v: v >= 0, ">= 0"),
-    "--shards": (lambda v: v >= 1, ">= 1"),
-    "--ray-timeout": (lambda v: v > 0, "> 0 seconds"),
-}
-
-
 # The list options, given as comma-separated text: field -> (option name, parser).
 LIST_OPTIONS: dict[str, tuple[str, Callable[[str, str], tuple[Any, ...]]]] = {
     "rollout_dtypes": ("rollout_dtype", split_list),
@@ -57,28 +36,6 @@ LIST_OPTIONS: dict[str, tuple[str, Callable[[str, str], tuple[Any, ...]]]] = {
     "lm_head_fp32": ("lm_head_fp32", parse_on_off),
     "routing_replay": ("routing_replay", split_list),
 }
-
-
-def check_options(values: Mapping[str, Any]) -> None:
-    """Each ``option -> value`` against ``OPTION_RULES`` (see there); one line on the first
-    value that fails."""
-    for option, value in values.items():
-        if value is None:
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ProbeError(f"{option} must be a finite number, got {value}")
-        holds, valid = OPTION_RULES[option]
-        if not holds(value):
-            raise ProbeError(f"{option} must be {valid}, got {value}")
-
-
-def check_choices(values: tuple[Any, ...], allowed: tuple[Any, ...], option: str) -> None:
-    if not values:
-        raise ProbeError(f"{option}: give at least one value")
-    for value in values:
-        if value not in allowed:
-            choices = ", ".join(map(str, allowed))
-            raise ProbeError(f"{option}: unknown value {value!r}; choose from {choices}")
 
 
 @dataclass(frozen=True)

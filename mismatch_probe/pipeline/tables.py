@@ -9,6 +9,7 @@ import pyarrow as pa
 
 from mismatch_probe.engine.rollout import Rollout
 from mismatch_probe.pipeline import trajectory
+from mismatch_probe.prompts import decode_tokens
 from mismatch_probe.settings import Setting
 from mismatch_probe.training.rescore import Scored
 
@@ -85,13 +86,6 @@ def _positions(lengths: np.ndarray) -> np.ndarray:
 
 def _concat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
-
-
-def decode_tokens(tokenizer: Any, token_ids: np.ndarray) -> list[str]:
-    """Each token's text on its own (decoded once per distinct id)."""
-    unique = np.unique(token_ids).tolist()
-    text = dict(zip(unique, tokenizer.batch_decode([[t] for t in unique]), strict=True))
-    return [text[t] for t in token_ids.tolist()]
 
 
 def sequence_table(

@@ -6,98 +6,41 @@ Public API::
     paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md, report.html
     render_terminal(run_dir, Console())    # the terminal report
 
-Module map: ``context`` (load a run directory), ``integrity`` (the data-integrity findings,
-shown first in every report, and ``integrity.json``), ``verdicts`` (health checks as a table),
+Module map: ``integrity`` (the data-integrity findings, shown first in every report),
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
-(matplotlib PNGs), ``markdown`` (report.md), ``html`` (report.html from the Markdown),
-``comment`` (the pull-request comment), ``settings`` (a matrix run's settings side by side),
-``recommend`` (the recommendation rule), ``decisions`` (its sections: recommendation, threshold
-sweep, outliers, entropy), ``rescan`` (the command that re-scans one prompt),
-``routing`` (the MoE section and plots, from routing.json), ``compare`` (several runs side by
-side), ``check`` (bounds for CI), ``baseline`` and ``bootstrap`` (the gate against a baseline
-run), ``metrics_table`` (``probe metrics``' tables), ``summary`` (the scan's last word). This is
-the only package that renders (rich tables, Markdown, HTML, matplotlib). The reports read only
-the run directory: no model, no tokenizer.
+(matplotlib PNGs), ``markdown`` (report.md), ``md`` (escaping, tables), ``html`` (report.html
+from the Markdown), ``comment`` (the pull-request comment), ``settings`` and ``grid`` (a matrix
+run's settings side by side, every setting judged), ``decisions`` (the recommendation, threshold
+sweep, outliers, entropy), ``routing`` (the MoE section and plots), ``attribution`` and
+``attribution_plot``, ``turns`` (per turn), ``trend_table`` and ``trend_plot`` (an ingested
+run's trend), ``compare`` (several runs side by side), ``gate`` (``probe check``'s output),
+``metrics_table`` (``probe metrics``' tables), ``summary`` (the scan's last word), ``ingested``
+(``probe ingest``'s). This is the only package that renders (rich tables, Markdown, HTML,
+matplotlib). What it renders is loaded by ``rundir`` (the run view), computed by ``gate`` (the
+gate, a comparison) and ``metrics`` (the rules: verdicts, recommendation): no model, no
+tokenizer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mismatch_probe import store
-from mismatch_probe.errors import ProbeError
-from mismatch_probe.report.context import RunContext, load_run
+from mismatch_probe.rundir.context import Entry, RunContext
+from mismatch_probe.rundir.loader import load_report
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from mismatch_probe.metrics import MetricsConfig
-    from mismatch_probe.report.compare import Entry
 
 __all__ = [
-    "RunContext",
-    "load_report",
-    "load_run",
     "render",
     "render_terminal",
     "write_outputs",
     "write_report",
 ]
-
-
-def load_report(
-    run_dir: Path,
-    metrics_config: MetricsConfig | None = None,
-    computed: Mapping[str, dict[str, Any]] | None = None,
-    run: dict[str, Any] | None = None,
-    order: list[str] | None = None,
-    settings: tuple[str, ...] = (),
-    integrity_errors: Sequence[str] = (),
-) -> tuple[RunContext, list[Entry]]:
-    """Load what a report shows: the run (its reference setting when the store holds several)
-    and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
-
-    Args:
-        computed: setting name -> ``MetricsResult.to_json_dict()`` the caller already has (the
-            scan's, default config): used instead of computing them again.
-        run: the run metadata, when the caller has it in memory (the scan's finishing step,
-            before it writes ``run.json``): nothing is read from a ``run.json`` on disk, which
-            may be an earlier run's.
-        order: the settings in the scan's order (first = the reference), with ``run``.
-        settings: only these settings of a matrix run (``--setting``); the first of them in
-            the scan's order is the reference. () means every setting.
-        integrity_errors: integrity checks known to have found an error beside the run's own
-            (the run's store is checked here; its errors turn the recommendation into
-            "investigate first").
-    """
-    from dataclasses import replace
-
-    from mismatch_probe.report.integrity import run_integrity
-    from mismatch_probe.report.settings import select_settings, setting_entries, setting_names
-
-    run_dir = Path(run_dir)
-    if run_dir.is_file():
-        raise ProbeError(
-            f"{run_dir} is a file; probe report takes a run directory "
-            "(probe metrics reads a Parquet file)"
-        )
-    if not run_dir.is_dir():
-        raise ProbeError(f"{run_dir} is not a run directory")
-    names = setting_names(run_dir, order)
-    chosen = select_settings(run_dir, settings, order)
-    reference = chosen[0]
-    given = dict(computed or {})
-    first = given.get(reference or names[0]) if names else None
-    integrity = run_integrity(run_dir, run)  # recomputed from the store
-    errors = list(dict.fromkeys([*integrity_errors, *integrity.error_checks()]))
-    ctx = load_run(run_dir, metrics_config, reference, first, run, errors)
-    ctx = replace(ctx, integrity=integrity)
-    entries = setting_entries(run_dir, metrics_config, given, names, errors, ctx.run)
-    if settings and len(names) > 1:
-        entries = [e for e in entries if e.label in chosen]
-    return ctx, entries
 
 
 def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
@@ -111,16 +54,13 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     """
     from mismatch_probe.report import attribution, turns
     from mismatch_probe.report.html import write_html
-    from mismatch_probe.report.integrity import write_integrity
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
-    from mismatch_probe.report.settings import (
-        setting_names,
-        settings_markdown,
-        settings_top_markdown,
-    )
+    from mismatch_probe.report.settings import settings_markdown, settings_top_markdown
     from mismatch_probe.report.trend_plot import write_trend
+    from mismatch_probe.rundir.context import setting_names
+    from mismatch_probe.rundir.integrity import write_integrity
 
     run_dir = store.writable_dir(ctx.run_dir, "run directory")
     paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
@@ -171,7 +111,8 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
     from mismatch_probe.report.sections import visible
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
-    from mismatch_probe.report.trend import load_trend, render_table
+    from mismatch_probe.report.trend_table import render_table
+    from mismatch_probe.rundir.trend import load_trend
 
     if entries and len(entries) > 1:
         if ctx.integrity is not None:  # first, before every setting judged (spec section 8)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from mismatch_probe.gate.compare import Comparison
+from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, evaluate
 from mismatch_probe.report import turns
-from mismatch_probe.report.compare import Comparison, Entry
-from mismatch_probe.report.context import RunContext, WorstToken, setting_names
 from mismatch_probe.report.integrity import integrity_markdown, runs_markdown
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
@@ -35,7 +35,7 @@ from mismatch_probe.report.markdown import (
 )
 from mismatch_probe.report.sections import KEY_METRICS
 from mismatch_probe.report.terminal import HIST_WIDTH, _bar, _hist_rows
-from mismatch_probe.report.verdicts import FAIL, NA, PASS, evaluate
+from mismatch_probe.rundir.context import Entry, RunContext, WorstToken, setting_names
 
 COMMENT_LIMIT = 60_000
 COMMENT_OUTLIERS = 5  # outliers listed in a comment (report.md has all of them)
@@ -130,7 +130,7 @@ def change_intervals(
     """``(run index, metric) -> interval of run's value - the first run's`` for the metrics the
     bootstrap covers (``bootstrap.TERMS``) and runs with enough responses: the same paired
     resampling as ``probe check --baseline``."""
-    from mismatch_probe.report import bootstrap
+    from mismatch_probe.gate import bootstrap
 
     wanted = [k for k in keys if k in bootstrap.TERMS]
     if not wanted:

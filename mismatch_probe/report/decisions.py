@@ -17,10 +17,10 @@ from rich.text import Text
 from mismatch_probe.metrics.config import parse_preset
 from mismatch_probe.metrics.decisions import FAMILIES
 from mismatch_probe.metrics.presets import PRESETS
-from mismatch_probe.report.context import OutlierToken, RunContext
+from mismatch_probe.metrics.recommend import RULE, pct
 from mismatch_probe.report.md import escape, table
-from mismatch_probe.report.recommend import RULE, pct
 from mismatch_probe.report.sections import show_blank, visible
+from mismatch_probe.rundir.context import OutlierToken, RunContext
 
 FAMILY_LABELS = {
     "token_tis": "token TIS: ρ > C",

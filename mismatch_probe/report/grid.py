@@ -20,9 +20,9 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, HealthCheck, Verdict, evaluate
 from mismatch_probe.report.markdown import VERDICT_MARK, escape, num, table
 from mismatch_probe.report.sections import fmt, visible
-from mismatch_probe.report.verdicts import FAIL, NA, PASS, HealthCheck, Verdict, evaluate
 
 # (metric, terminal header) of the matrix table, in order (the scan summary's key numbers);
 # Markdown and HTML head each column with the metric's name.

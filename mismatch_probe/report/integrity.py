@@ -1,54 +1,23 @@
 """The data-integrity section, shown first in every report (metrics spec section 8).
 
-``run_integrity`` computes the findings of a run from its token store
-(``metrics.integrity.compute_integrity``) with the run metadata; ``write_integrity`` writes them
-as ``integrity.json`` (``probe report`` and ``probe check`` recompute them from the store rather
-than trust the file). Renderers: ``integrity_markdown`` (report.md, report.html, the PR comment) and
-``integrity_text`` (the terminal). A clean run is one line; each finding is one line with its
-severity, check, counts and message.
+The findings are computed from the run's token store by ``rundir.integrity`` (``run_integrity``,
+which also writes ``integrity.json``). Renderers: ``integrity_markdown`` (report.md, report.html,
+the PR comment) and ``integrity_text`` (the terminal). A clean run is one line; each finding is
+one line with its severity, check, counts and message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from rich.text import Text
 
-from mismatch_probe import store
-from mismatch_probe.errors import ProbeError
-from mismatch_probe.metrics.integrity import ERROR, Finding, Integrity, compute_integrity
+from mismatch_probe.metrics.integrity import ERROR, Finding, Integrity
 from mismatch_probe.report.sections import visible
 
-INTEGRITY_FILE = store.INTEGRITY_FILE
 CLEAN = "Data integrity: clean (no placeholder, shifted, copied, positive or non-finite log-prob)"
 MARK = {ERROR: ("❌", "✘", "bold red"), "warning": ("⚠️", "⚠", "yellow")}  # md, terminal, style
-
-
-def run_metadata(path: Path) -> dict[str, Any]:
-    """``run.json`` beside the store when there is one, else the store's own metadata."""
-    tokens = store.resolve_tokens_path(Path(path))
-    for folder in (Path(path), tokens.parent):
-        candidate = folder / store.RUN_FILE
-        if folder.is_dir() and candidate.is_file():
-            try:
-                data = store.read_json(candidate)
-                return dict(data) if isinstance(data, dict) else {}
-            except (OSError, TypeError, ValueError):
-                raise ProbeError(f"{candidate} is not valid JSON of finite numbers") from None
-    return store.read_run_metadata(tokens)
-
-
-def run_integrity(path: Path, run: Mapping[str, Any] | None = None) -> Integrity:
-    """The findings of a run directory or token store (``run``: its metadata, read when None)."""
-    return compute_integrity(path, run_metadata(path) if run is None else run)
-
-
-def write_integrity(run_dir: Path, integrity: Integrity) -> Path:
-    path = Path(run_dir) / INTEGRITY_FILE
-    store.write_json(path, integrity.to_json_dict())
-    return path
 
 
 def _counts(f: Finding) -> str:

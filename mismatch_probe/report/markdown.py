@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mismatch_probe.report.causes import LEGEND
-from mismatch_probe.report.context import RunContext, WorstToken
+from mismatch_probe.metrics.verdicts import SOURCES, Verdict, evaluate
 from mismatch_probe.report.integrity import integrity_markdown
 from mismatch_probe.report.md import escape, table
 from mismatch_probe.report.sections import (
@@ -24,7 +23,8 @@ from mismatch_probe.report.sections import (
     settings_rows,
     show_blank,
 )
-from mismatch_probe.report.verdicts import SOURCES, Verdict, evaluate
+from mismatch_probe.rundir.causes import LEGEND
+from mismatch_probe.rundir.context import RunContext, WorstToken
 
 MD_DIGITS = 6  # significant digits of every number in report.md
 VERDICT_MARK = {"PASS": "✅ PASS", "FAIL": "❌ FAIL", "n/a": "➖ n/a"}

@@ -22,8 +22,8 @@ import numpy as np
 from mismatch_probe import store
 from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.config import parse_is
-from mismatch_probe.report.context import RunContext, read_token_probs
 from mismatch_probe.report.sections import visible
+from mismatch_probe.rundir.context import RunContext, read_token_probs
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -390,8 +390,8 @@ def plot_entropy(fig: Figure, ax: Axes, ctx: RunContext) -> None:
 def write_k3_by_setting(entries: list[Any], path: Path) -> tuple[Path, str]:
     """``k3_kl`` per setting of a matrix (bars coloured by the setting's verdicts: green when
     none fails), the rule's none-needed bound and any verdict bound on k3_kl drawn."""
-    from mismatch_probe.report.recommend import NONE_NEEDED_K3
-    from mismatch_probe.report.verdicts import FAIL, HEALTH_CHECKS, evaluate
+    from mismatch_probe.metrics.recommend import NONE_NEEDED_K3
+    from mismatch_probe.metrics.verdicts import FAIL, HEALTH_CHECKS, evaluate
 
     title = "k3_kl per setting, with the verdict thresholds"
     fig, ax = new_figure()

@@ -16,8 +16,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from mismatch_probe.metrics.verdicts import FAIL, PASS, Verdict, evaluate
 from mismatch_probe.report import turns
-from mismatch_probe.report.context import RunContext, WorstToken
 from mismatch_probe.report.integrity import integrity_text
 from mismatch_probe.report.sections import (
     fmt,
@@ -28,7 +28,7 @@ from mismatch_probe.report.sections import (
     show_blank,
     visible,
 )
-from mismatch_probe.report.verdicts import FAIL, PASS, Verdict, evaluate
+from mismatch_probe.rundir.context import RunContext, WorstToken
 
 STATUS_STYLE = {PASS: ("✔", "green"), FAIL: ("✘", "bold red"), "n/a": ("·", "dim")}
 CAUSE_STYLE = {"support flip": "magenta", "—": "dim"}  # by the first cause named

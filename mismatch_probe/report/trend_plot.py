@@ -2,7 +2,7 @@
 threshold as a dashed line of its colour and its failing steps ringed in red), and below, the
 presets' token masked fractions. Built like ``report.plots`` (Agg ``Figure``, no pyplot).
 
-Imports ``trend`` (the trend's data and text), never the other way round: ``write_trend`` (the
+Imports ``trend_table`` (the trend's text), never the other way round: ``write_trend`` (the
 report's trend section with its plot) lives here."""
 
 from __future__ import annotations
@@ -14,15 +14,10 @@ import numpy as np
 
 from mismatch_probe import store
 from mismatch_probe.report.plots import DPI
-from mismatch_probe.report.trend import (
-    PLOT_NAME,
-    Trend,
-    label,
-    load_trend,
-    render_markdown,
-    threshold_of,
-)
+from mismatch_probe.report.trend_table import label, render_markdown
+from mismatch_probe.rundir.trend import Trend, load_trend, threshold_of
 
+PLOT_NAME = "trend"
 FIGSIZE = (7.5, 6.0)
 OFFSET = {"token_mult_prob_error": 1.0}  # drawn as value - 1 (1.0 is identity) on a log axis
 

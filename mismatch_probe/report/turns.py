@@ -14,8 +14,8 @@ from typing import Any
 from rich.table import Table
 
 from mismatch_probe.metrics.turns import rerender_example
-from mismatch_probe.report.context import RunContext
 from mismatch_probe.report.markdown import escape, table
+from mismatch_probe.rundir.context import RunContext
 
 PLOT_FILE = "turns.png"
 EXAMPLE_CLIP = 400  # characters of the example difference kept in a report

@@ -53,7 +53,7 @@ class WorstToken:
     @property
     def cause(self) -> str:
         """Every cause the run shows for this token (``causes.describe``), ``—`` if none."""
-        from mismatch_probe.report.causes import describe
+        from mismatch_probe.rundir.causes import describe
 
         return describe(self.support_flip, self.rollout_logprob, self.train_logprob, self.known)
 
@@ -66,6 +66,16 @@ class OutlierToken:
     text: str
     before: str
     after: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One column of a comparison: a run, or one setting of a run."""
+
+    label: str
+    metrics: dict[str, float]
+    curves: dict[str, Any]
+    tables: dict[str, Any] = field(default_factory=dict)  # decision_tables
 
 
 @dataclass(frozen=True)
@@ -175,7 +185,7 @@ def _with_causes(
     """The worst tokens with the routing and attribution causes the run records for them."""
     import dataclasses
 
-    from mismatch_probe.report.causes import known_causes
+    from mismatch_probe.rundir.causes import known_causes
 
     found = known_causes(run_dir, setting, [(t.seq_id, t.position) for t in worst])
     return tuple(
@@ -188,8 +198,8 @@ def decision_tables(
 ) -> dict[str, Any]:
     """``threshold_sweep``, ``outliers`` (with their re-scan ``command``) and the
     ``recommendation`` of one setting's metrics (``MetricsResult.to_json_dict()``)."""
-    from mismatch_probe.report.recommend import recommend
-    from mismatch_probe.report.rescan import rescan_command
+    from mismatch_probe.metrics.recommend import recommend
+    from mismatch_probe.rundir.rescan import rescan_command
 
     sweep = data.get("threshold_sweep", [])
     outliers = [{**o, "command": rescan_command(run, o)} for o in data.get("outliers", [])]

@@ -3,13 +3,13 @@
 ``--max-increase k3_kl=1.5x`` fails when HEAD's ``k3_kl`` is above 1.5 times BASE's;
 ``--max-increase f_tau_2=+0.001`` when it is more than 0.001 above BASE's. The limit is
 ``F * base`` or ``base + A`` (so a factor fails any growth from a baseline of 0). ``--max`` /
-``--min`` (``check``) are evaluated beside them.
+``--min`` (``bounds``) are evaluated beside them. ``report.gate`` renders the ``Gate``.
 
 The runs must measure the same thing (the run kind: a scan, or an ingested run of one format;
 then ``COMPARABLE``: model config hash, prompts, sampling); otherwise the gate refuses
 (``ProbeError``, exit 2) and says what differs, unless ``allow_different``.
 
-Before any bound, the gate takes the run's data integrity (``report.integrity``, recomputed from
+Before any bound, the gate takes the run's data integrity (``rundir.integrity``, recomputed from
 the store; one step's with ``--step``): an error finding fails it unless ``--accept`` names its
 check.
 
@@ -28,25 +28,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 from typing import Any
 
-from rich.console import Console
-from rich.text import Text
-
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.gate import bootstrap
+from mismatch_probe.gate.bounds import BoundResult, Increase, did_you_mean, evaluate_bounds
+from mismatch_probe.gate.compare import IDENTITY, _lookup, _short
+from mismatch_probe.gate.config import CheckConfig
 from mismatch_probe.metrics.integrity import Finding, Integrity, errors
-from mismatch_probe.report import bootstrap
-from mismatch_probe.report.check import (
-    BoundResult,
-    Increase,
-    did_you_mean,
-    evaluate_bounds,
-    result_line,
-)
-from mismatch_probe.report.check_config import CheckConfig
-from mismatch_probe.report.compare import IDENTITY, _lookup, _short
-from mismatch_probe.report.context import RunContext, load_run
-from mismatch_probe.report.context import _run_metadata as run_metadata
-from mismatch_probe.report.sections import visible
+from mismatch_probe.rundir.context import RunContext, load_run
+from mismatch_probe.rundir.context import _run_metadata as run_metadata
 
 # What two runs must share to be gated against each other: what ``probe compare`` checks, but
 # the model's directory name (two checkouts may name it differently: its config hash decides).
@@ -222,7 +212,7 @@ class Gate:
 
 def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
     """One training step's metrics of an ingested run (``"last"`` or a step number)."""
-    from mismatch_probe.report.trend import step_metrics
+    from mismatch_probe.rundir.trend import step_metrics
 
     return step_metrics(Path(run_dir), step)
 
@@ -246,7 +236,7 @@ def _baseline_pairs(
     Raises:
         ProbeError: no head setting has a counterpart in the baseline.
     """
-    from mismatch_probe.report.settings import select_settings, setting_names
+    from mismatch_probe.rundir.loader import select_settings, setting_names
 
     base = select_settings(base_dir)
     if base == [None] and head == [None]:
@@ -274,8 +264,9 @@ def gate(cfg: CheckConfig) -> Gate:
         ProbeError: a bound naming an unknown metric, an unknown ``--setting``, runs that are
             not comparable or share no setting, an unreadable run.
     """
-    from mismatch_probe.report.settings import select_settings
-    from mismatch_probe.report.trend_run import is_trend_run, trend_bounds
+    from mismatch_probe.gate.trend import trend_bounds
+    from mismatch_probe.rundir.loader import select_settings
+    from mismatch_probe.rundir.trend_run import is_trend_run
 
     run_dir = cfg.run_dir
     if not run_dir.is_dir():
@@ -341,123 +332,11 @@ def _gate_one(cfg: CheckConfig, setting: str | None, base: str | None, note: str
     return SettingGate(setting, results, tuple(checked))
 
 
-def run_gate(
-    run_dir: Path,
-    maxima: list[str],
-    minima: list[str],
-    baseline: Path | None = None,
-    increases: list[str] | None = None,
-    level: float = 0.95,
-    allow_different: bool = False,
-    step: str | None = None,
-    settings: list[str] | None = None,
-    accept: tuple[str, ...] = (),
-) -> Gate:
-    """``gate`` of the ``CheckConfig`` these options make (``CheckConfig.from_options``)."""
-    return gate(
-        CheckConfig.from_options(
-            run_dir,
-            maxima,
-            minima,
-            baseline,
-            increases,
-            level,
-            allow_different,
-            step,
-            settings,
-            accept,
-        )
-    )
-
-
 def _integrity_gate(run_dir: Path, step: str | None, accept: tuple[str, ...]) -> Gate:
     """A gate with no bound yet: the run's integrity findings, recomputed from its store."""
     from mismatch_probe.metrics.steps import resolve_step
-    from mismatch_probe.report.integrity import run_integrity
+    from mismatch_probe.rundir.integrity import run_integrity
 
     tokens = store.resolve_tokens_path(run_dir)
     number = None if step is None else resolve_step(tokens, step)
     return Gate((), integrity=run_integrity(run_dir), step=number, accepted=accept)
-
-
-# --- rendering ---------------------------------------------------------------------------------
-
-
-def _ci(pair: tuple[float, float]) -> str:
-    return f"[{pair[0]:.4g}, {pair[1]:.4g}]"
-
-
-def increase_line(res: IncreaseResult) -> Text:
-    """``✔ PASS  k3_kl = 0.005 vs baseline 0.004: ×1.25 ≤ ×1.5 (max increase)``, then the
-    intervals when there are, and why a point above the limit still passes (noise)."""
-    b = res.bound
-    head = Text("✔ PASS  ", style="green") if res.passed else Text("✘ FAIL  ", style="bold red")
-    over = "≤" if res.point_passed else ">"
-    head.append(
-        f"{b.metric} = {res.value:.6g} vs baseline {res.base:.6g}: "
-        f"{res.change()} {over} {b.text} (max increase)"
-    )
-    if not res.point_passed:
-        head.append(f" by {res.value - res.limit:.4g}")
-    if res.excess_ci is not None and res.head_ci and res.base_ci:
-        pct = f"{res.level:.0%}"
-        head.append(f"\n        {pct} CI: head {_ci(res.head_ci)}, baseline {_ci(res.base_ci)}; ")
-        head.append(f"{b.excess_text()} in {_ci(res.excess_ci)}")
-        if not res.point_passed:
-            head.append(" (above 0: significant)" if not res.passed else " (includes 0: noise)")
-    return head
-
-
-def render_gate(gate: Gate, console: Console) -> None:
-    """The data integrity first, the baseline and what differs (if anything), one line per
-    bound (under a heading per setting for a matrix run), and a summary naming each failing
-    setting and metric, and the integrity errors that fail the gate."""
-    from mismatch_probe.report.integrity import integrity_text
-
-    if gate.integrity is not None:
-        console.print(integrity_text(gate.integrity, gate.step, gate.accepted), highlight=False)
-    if gate.baseline is not None:
-        console.print(f"baseline {gate.baseline}", highlight=False, soft_wrap=True)
-    for line in gate.differences:
-        console.print(Text(f"⚠ {line}", style="yellow"), highlight=False)
-    for one in gate.settings:
-        indent = ""
-        if one.setting is not None:
-            mark = Text("✔ " if one.passed else "✘ ", style="green" if one.passed else "bold red")
-            console.print(mark + Text(f"setting {visible(one.setting)}", style="bold"))
-            indent = "  "
-        for res in one.bounds:
-            console.print(Text(indent) + result_line(res), highlight=False)
-        for inc in one.increases:
-            console.print(Text(indent) + increase_line(inc), highlight=False)
-        if one.note:
-            console.print(Text(f"{indent}· {one.note}", style="dim"), highlight=False)
-    console.print(summary_line(gate), highlight=False)
-
-
-def summary_line(gate: Gate) -> str:
-    """``all bounds hold`` (``... in 3 settings``), or how many failed and, for a matrix run,
-    each failing setting with its failing metrics; then the integrity errors that fail."""
-    results: list[BoundResult | IncreaseResult] = [*gate.bounds, *gate.increases]
-    failed = sum(not r.passed for r in results)
-    if not results:
-        text = "no bound evaluated (the metrics cannot be computed)"
-    else:
-        text = _bounds_summary(gate, failed, len(results))
-    if gate.integrity_errors:
-        names = ", ".join(dict.fromkeys(f.check for f in gate.integrity_errors))
-        text += f"; integrity error: {names} (--accept CHECK if it is known and harmless)"
-    return text
-
-
-def _bounds_summary(gate: Gate, failed: int, total: int) -> str:
-    many = len(gate.settings) > 1 or gate.settings[0].setting is not None
-    where = f" in {len(gate.settings)} setting{'s' if len(gate.settings) > 1 else ''}"
-    if not failed:
-        return "all bounds hold" + (where if many else "")
-    text = f"{failed} of {total} bounds failed"
-    if not many:
-        return text
-    bad = [s for s in gate.settings if not s.passed]
-    named = "; ".join(f"{visible(str(s.setting))} ({', '.join(s.failing)})" for s in bad)
-    return f"{text}{where}: {len(bad)} setting{'s' if len(bad) > 1 else ''} failed: {named}"

@@ -4,7 +4,8 @@
 ``prob_pearson >= 0.99``. Bad usage (no bound, ``METRIC=VALUE`` unparsable, a metric the run
 does not have) raises ``ProbeError`` (exit 2 at the CLI); the caller exits 1 when any bound
 fails. Metric names are the flat keys of ``metrics.json`` (``probe metrics --json``).
-``baseline`` runs these bounds beside the growth bounds against a baseline run, and renders all.
+``baseline`` runs these bounds beside the growth bounds against a baseline run;
+``report.gate`` renders them.
 """
 
 from __future__ import annotations
@@ -14,12 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rich.text import Text
-
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.report.verdicts import RULES
-
-SYMBOL = {"max": ("≤", ">"), "min": ("≥", "<")}  # (holds, fails)
+from mismatch_probe.metrics.verdicts import RULES
 
 
 @dataclass(frozen=True)
@@ -87,18 +84,6 @@ class BoundResult:
 def evaluate_bounds(bounds: tuple[Bound, ...], metrics: dict[str, float]) -> list[BoundResult]:
     check_names(bounds, metrics)
     return [BoundResult(b, metrics[b.metric]) for b in bounds]
-
-
-def result_line(res: BoundResult) -> Text:
-    """``✔ PASS  k3_kl = 0.0005 ≤ 0.001 (max)`` or ``✘ FAIL ... > 0.001 (max) by ...``."""
-    b = res.bound
-    ok, bad = SYMBOL[b.kind]
-    head = Text("✔ PASS  ", style="green") if res.passed else Text("✘ FAIL  ", style="bold red")
-    head.append(f"{b.metric} = {res.value:.6g} {ok if res.passed else bad} {b.limit:g} ({b.kind})")
-    if not res.passed:
-        times = f", {res.value / b.limit:.3g}× the bound" if b.limit else ""
-        head.append(f" by {res.excess:.4g}{times}")
-    return head
 
 
 @dataclass(frozen=True)

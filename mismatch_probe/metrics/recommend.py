@@ -26,7 +26,7 @@ from typing import Any
 
 from mismatch_probe.metrics.config import PresetSpec, parse_preset
 from mismatch_probe.metrics.presets import PRESET_PREFIX, PRESETS
-from mismatch_probe.report.verdicts import FAIL, evaluate
+from mismatch_probe.metrics.verdicts import FAIL, evaluate
 
 CONCENTRATED = 0.5
 NONE_NEEDED_K3 = 1e-4

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.gate.bounds import Bound, Increase, parse_bounds, parse_increase
 from mismatch_probe.metrics.integrity import CHECKS
-from mismatch_probe.report.check import Bound, Increase, parse_bounds, parse_increase
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,15 @@
-"""The trend section of an ingested run: key metrics against training step.
+"""The trend of an ingested run: key metrics against training step.
 
 ``load_trend`` reads ``steps.json`` (written by ``probe ingest``; recomputed from
-``tokens.parquet`` when missing or computed with another metrics config). The section shows
+``tokens.parquet`` when missing or computed with another metrics config). The trend holds
 ``TREND_METRICS`` (those the metric engine computed) and every preset's token masked fraction
-that is not zero throughout, as a plot (``plots/trend.png``) and a table. Steps where a metric
-fails its verdict threshold are marked, and the steps where it *crosses* (fails after passing,
-or fails at the first step) are listed. A note says whether the ratio can include policy
-staleness (``run.json`` ``off_policy``), since asynchronous frameworks train on rollouts of
-older weights.
+that is not zero throughout. Steps where a metric fails its verdict threshold are marked, and
+the steps where it *crosses* (fails after passing, or fails at the first step) are listed. A note
+says whether the ratio can include policy staleness (``run.json`` ``off_policy``), since
+asynchronous frameworks train on rollouts of older weights.
 
-Plain functions over data; the Markdown and rich renderers are the two ``render_*`` at the end.
+Plain functions over data; the section's table and plot are ``report.trend_table`` and
+``report.trend_plot``.
 """
 
 from __future__ import annotations
@@ -19,14 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-from rich.text import Text
-
 from mismatch_probe import store
-from mismatch_probe.report.verdicts import HEALTH_CHECKS, RULES, HealthCheck
-
-PLOT_NAME = "trend"
-MAX_ROWS = 40  # table rows; longer runs show the crossings, the ends and evenly spaced steps
+from mismatch_probe.metrics.verdicts import HEALTH_CHECKS, RULES, HealthCheck
 
 # (metric, what it is); a metric the engine did not compute is left out.
 TREND_METRICS: tuple[tuple[str, str], ...] = (
@@ -179,87 +173,6 @@ def rewrite_note(run: dict[str, Any]) -> str:
     )
 
 
-def shown_steps(trend: Trend) -> list[int]:
-    """At most ``MAX_ROWS`` steps: both ends, every crossing, then evenly spaced ones."""
-    steps = trend.steps
-    if len(steps) <= MAX_ROWS:
-        return steps
-    keep = {steps[0], steps[-1], *(s for c in trend.crossings.values() for s in c)}
-    room = max(MAX_ROWS - len(keep), 0)
-    stride = max(1, len(steps) // (room + 1))
-    keep.update(steps[::stride][:room])
-    return sorted(keep)
-
-
-def label(metric: str) -> str:
-    if metric.startswith("presets/"):
-        return f"{metric.split('/')[1]} masked"
-    return metric
-
-
-def cell(trend: Trend, metric: str, index: int) -> tuple[str, bool]:
-    """The value at ``trend.steps[index]`` (4 significant digits) and whether it fails."""
-    step = trend.steps[index]
-    return f"{trend.series[metric][index]:.4g}", step in trend.failing.get(metric, set())
-
-
-def crossing_lines(trend: Trend) -> list[str]:
-    """``chi2_token (≤ 1): crosses at step 12, 40`` for each metric that ever fails."""
-    out = []
-    for metric, steps in trend.crossings.items():
-        check = threshold_of(metric)
-        if steps and check is not None:
-            where = ", ".join(str(s) for s in steps)
-            out.append(f"{metric} ({check.threshold}, {check.source}): crosses at step {where}")
-    return out
-
-
-# --- renderers ---------------------------------------------------------------------------------
-
-
-def render_markdown(trend: Trend, plot: Path | None, base: Path) -> str:
-    """``## Trend over training steps``: note, crossings, plot, table (failing cells bold ❌)."""
-    from mismatch_probe.report.markdown import escape, table
-
-    lines = ["## Trend over training steps", "", escape(trend.note), ""]
-    if trend.rewritten:
-        lines += [escape(trend.rewritten), ""]
-    crossings = crossing_lines(trend)
-    lines += [f"- ❌ {escape(c)}" for c in crossings] or ["- every threshold holds at every step"]
-    lines.append("")
-    if plot is not None:
-        lines += [f"![Key metrics against training step]({plot.relative_to(base).as_posix()})", ""]
-    shown = shown_steps(trend)
-    if len(shown) < len(trend.steps):
-        lines += [
-            f"{len(shown)} of {len(trend.steps)} steps shown ({store.STEPS_FILE} has all).",
-            "",
-        ]
-    metrics = list(trend.series)
-    rows = []
-    for step in shown:
-        i = trend.steps.index(step)
-        cells = [f"**❌ {v}**" if bad else v for v, bad in (cell(trend, m, i) for m in metrics)]
-        rows.append([str(step), *cells])
-    header = ["step", *(f"`{escape(label(m))}`" for m in metrics)]
-    return "\n".join([*lines, *table(header, rows, "r" * len(header)), ""])
-
-
-def render_table(trend: Trend) -> Table:
-    """The rich version of the table: failing values red, the note as the caption."""
-    caption = " ".join(n for n in (trend.note, trend.rewritten) if n)
-    table = Table(title="Trend over training steps", title_justify="left", caption=caption,
-                  caption_justify="left", title_style="bold")  # fmt: skip
-    table.add_column("step", justify="right")
-    for metric in trend.series:
-        table.add_column(label(metric), justify="right")
-    for step in shown_steps(trend):
-        i = trend.steps.index(step)
-        values = [cell(trend, m, i) for m in trend.series]
-        table.add_row(str(step), *(Text(v, style="bold red" if bad else "") for v, bad in values))
-    return table
-
-
 def step_metrics(run_dir: Path, step: str) -> dict[str, float]:
     """One step's flat metrics (``"last"`` or a number): from ``steps.json``, else computed."""
     from mismatch_probe.metrics import compute_metrics
@@ -275,20 +188,3 @@ def step_metrics(run_dir: Path, step: str) -> dict[str, float]:
         return {k: float(v) for k, v in data["steps"][str(number)].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return compute_metrics(store.resolve_tokens_path(run_dir), step=number).flat()
-
-
-def render_ingest(result: Any, console: Any) -> None:
-    """``probe ingest``'s output: the terminal report (with the trend), then what was read."""
-    from mismatch_probe.report import render
-
-    render(result.report, None, console)
-    counts, source = result.run.get("counts", {}), result.run.get("source", {})
-    untrained = counts.get("steps_without_trained_tokens") or []
-    note = f" (no trained token at step {', '.join(map(str, untrained))})" if untrained else ""
-    console.print(
-        f"ingested {source.get('format')} {source.get('path')}: {counts.get('steps')} steps "
-        f"({counts.get('first_step')}..{counts.get('last_step')}){note}, "
-        f"{counts.get('sequences'):,} sequences, {counts.get('tokens'):,} tokens -> {result.out}",
-        highlight=False,
-        soft_wrap=True,
-    )
