@@ -30,17 +30,24 @@ from mismatch_probe.options import (
     AcceptOpt,
     AllowDifferentOpt,
     AttributeOpt,
+    AuditEveryOpt,
     BaselineOpt,
     BatchTokensOpt,
     ChatOpt,
     CompareOutOpt,
     ConvertAgainOpt,
+    ExitOnAlertOpt,
+    ExportOutOpt,
+    ExportPathOpt,
+    ExportTargetOpt,
+    ExportToOpt,
     FlipEpsOpt,
     ForceOpt,
     FormatArg,
     FormatOpt,
     IngestModelOpt,
     IngestOutOpt,
+    IntervalOpt,
     JsonOpt,
     KvCacheDtypeOpt,
     LmHeadFp32Opt,
@@ -51,7 +58,9 @@ from mismatch_probe.options import (
     MinBoundOpt,
     ModelOpt,
     NumPromptsOpt,
+    OnAlertOpt,
     OutOpt,
+    ProjectOpt,
     PromptIdOpt,
     PromptsOpt,
     QuantizationOpt,
@@ -66,6 +75,7 @@ from mismatch_probe.options import (
     SeedOpt,
     SettingOpt,
     SettingsOpt,
+    SettleOpt,
     ShardsOpt,
     SignificanceOpt,
     SourceArg,
@@ -82,8 +92,11 @@ from mismatch_probe.options import (
     TrainDeviceMapOpt,
     TrainDtypeOpt,
     TrustPickleOpt,
+    UntilOpt,
     VerboseOpt,
     VllmArgOpt,
+    WandbRunOpt,
+    WatchModelOpt,
     metric_options,
 )
 from mismatch_probe.pipeline.config import ScanConfig
@@ -268,8 +281,18 @@ def report(
     from mismatch_probe.report import render, write_outputs
     from mismatch_probe.report.comment import check_format, run_comment
     from mismatch_probe.rundir import load_report
+    from mismatch_probe.rundir.trend_run import is_trend_run
 
     check_format(fmt)
+    if is_trend_run(run_dir):  # probe ingest verl-log: the logged trend, no token store
+        from mismatch_probe.report.trend_run import render_trend_run, write_trend_report
+        from mismatch_probe.rundir.trend_run import load_trend_run
+
+        view = load_trend_run(run_dir)
+        written = write_trend_report(view)
+        render_trend_run(view, _stdout_console())
+        _print_paths(_stdout_console(), {"report": written})
+        return
     ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
     paths = write_outputs(ctx, entries)
     if fmt == "pr-comment":
@@ -427,7 +450,7 @@ def ingest(
     --temperature (the logs do not record how the rollouts were sampled).
     """
     from mismatch_probe.ingest import IngestConfig, parse_steps, run_ingest
-    from mismatch_probe.report.ingested import render_ingest
+    from mismatch_probe.report.trend_run import render_ingest
 
     cfg = IngestConfig(
         format=format_name,
@@ -440,6 +463,69 @@ def ingest(
         batch_tokens=batch_tokens,
     )
     render_ingest(run_ingest(cfg), _stdout_console())
+
+
+@app.command(cls=ProbeCommand, epilog=epilog("watch"))
+def watch(
+    format_name: FormatArg,
+    path: SourceArg,
+    out: IngestOutOpt,
+    max_bound: MaxBoundOpt = None,
+    min_bound: MinBoundOpt = None,
+    on_alert: OnAlertOpt = None,
+    until: UntilOpt = None,
+    exit_on_alert: ExitOnAlertOpt = False,
+    interval: IntervalOpt = 1.0,
+    settle: SettleOpt = 30.0,
+    audit_every: AuditEveryOpt = None,
+    model: WatchModelOpt = None,
+    steps: StepsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    temperature: TemperatureOpt = 1.0,
+    batch_tokens: BatchTokensOpt = 2048,
+    export: ExportToOpt = None,
+    export_out: ExportOutOpt = None,
+    wandb_run: WandbRunOpt = None,
+    project: ProjectOpt = "mismatch-probe",
+) -> None:
+    """Follow a training run while it is written: each complete step read once, measured,
+    alerted on and appended to RUN.
+
+    A live view in a terminal, one line per step otherwise. Stops at --until, at the first
+    alert with --exit-on-alert (exit 1) or on Ctrl-C (exit 130); RUN is then a complete run.
+    """
+    options = dict(locals())  # the parameters above, by name: nothing else is defined yet
+    from mismatch_probe.ingest.watch import WatchConfig, run_watch
+    from mismatch_probe.report.watch import Display, render_end
+
+    cfg = WatchConfig.from_options(**options)
+    console = _stdout_console()
+    result = run_watch(cfg, Display(console, live=sys.stdout.isatty()))
+    render_end(result.out, result.steps, result.alerts, result.stopped, console)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+@app.command("export", cls=ProbeCommand, epilog=epilog("export"))
+def export_command(
+    run_dir: RunDirArg,
+    to: ExportTargetOpt,
+    out: ExportPathOpt = None,
+    wandb_run: WandbRunOpt = None,
+    project: ProjectOpt = "mismatch-probe",
+) -> None:
+    """Write a run's metrics per step where users chart them: W&B, TensorBoard, trackio, or
+    verl's file-logger JSONL.
+
+    verl's names under rollout_corr/, NeMo-RL's under train/, ours under probe/; a histogram
+    of log rho per step; the integrity findings and verdicts.
+    """
+    from mismatch_probe.export import ExportSpec, export_run
+
+    spec = ExportSpec.from_options(to, out, wandb_run, project)
+    result = export_run(run_dir, spec)
+    console = _stdout_console()
+    console.print(Text(result.summary()), highlight=False, soft_wrap=True)
 
 
 @models_app.command("prepare", cls=ProbeCommand, epilog=epilog("models prepare"))

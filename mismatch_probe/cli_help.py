@@ -19,7 +19,9 @@ from mismatch_probe.options import PANELS
 
 # The order of ``probe --help``'s command list: the main command first, the rest as a user meets
 # them. A command missing here is listed after these, in the order it was added.
-COMMAND_ORDER = ("scan", "report", "check", "compare", "metrics", "ingest", "models")
+COMMAND_ORDER = (
+    "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models"
+)  # fmt: skip
 
 # Command path -> example command lines (each also a command line of a docs page).
 EXAMPLES: dict[str, tuple[str, ...]] = {
@@ -52,6 +54,15 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "ingest": (
         "probe ingest prime-rl outputs/ --out reports/prime-run --steps 10:200",
         "probe ingest verl-dp dp_dumps --out reports/verl-run --trust-pickle",
+    ),
+    "watch": (
+        "probe watch prime-rl outputs/ --out runs/live --max k3_kl=1e-3 --exit-on-alert",
+        "probe watch probe /data/probe_logs --out runs/audit --model "
+        "'ckpts/global_step_{step}/actor'",
+    ),
+    "export": (
+        "probe export reports/prime-run --to tensorboard --out tb/prime",
+        "probe export reports/prime-run --to wandb --wandb-run 1a2b3c4d",
     ),
     "models prepare": ("probe models prepare",),
     "models tiny": ("probe models tiny /tmp/tiny-moe --arch qwen3_moe",),

@@ -27,8 +27,9 @@ CORRECTION = "Correction (IS weights and rejection)"
 BOUNDS = "Bounds"
 BASELINE = "Baseline"
 OUTPUT = "Output"
+WATCH = "Watching"
 PANELS: tuple[str, ...] = (MODEL, SELECTION, SAMPLING, PRECISION, ATTRIBUTION, SCALE)
-PANELS += (CORRECTION, BOUNDS, BASELINE, OUTPUT)  # output last on every command
+PANELS += (CORRECTION, BOUNDS, BASELINE, WATCH, OUTPUT)  # output last on every command
 
 RolloutIsOpt = Annotated[
     str,
@@ -519,7 +520,8 @@ FormatArg = Annotated[
     typer.Argument(
         metavar="FORMAT",
         help="Log format: prime-rl, nemo-rl, slime, miles-parquet, verl-dp, skyrl (these two "
-        "with --trust-pickle) or probe (our token schema).",
+        "with --trust-pickle) or probe (our token schema); probe ingest also takes verl-log "
+        "(verl's file-logger JSONL: a trend of the metrics verl logged, no tokens).",
     ),
 ]
 
@@ -717,3 +719,145 @@ def metric_options(command: Callable[..., None]) -> Callable[..., None]:
     wrapper.__annotations__ = {p.name: p.annotation for p in [*kept, *added]}
     wrapper.__signature__ = signature.replace(parameters=[*kept, *added])  # type: ignore[attr-defined]
     return wrapper
+
+
+# --- probe watch and probe export ------------------------------------------------------------
+
+WatchModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        metavar="PATH|PATTERN",
+        rich_help_panel=MODEL,
+        help="Checkpoint to rescore with, as probe ingest --model, or a path pattern with "
+        "{step} (e.g. 'ckpts/global_step_{step}/actor'), filled with the policy version that "
+        "sampled the step's rollouts: the hook's audited rollouts are rescored with it.",
+    ),
+]
+
+UntilOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--until",
+        metavar="STEP",
+        rich_help_panel=WATCH,
+        help="Stop once this step (or a later one) is stored; without it, watch until Ctrl-C.",
+    ),
+]
+
+OnAlertOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--on-alert",
+        metavar="CMD",
+        rich_help_panel=WATCH,
+        help="Shell command run on each alert, the alert as one JSON object on its stdin "
+        "(e.g. curl -d @- to a webhook).",
+    ),
+]
+
+ExitOnAlertOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exit-on-alert",
+        metavar="",
+        rich_help_panel=WATCH,
+        help="Stop at the first alert (a failed bound or an integrity error) and exit 1; RUN is "
+        "finished first.",
+    ),
+]
+
+IntervalOpt = Annotated[
+    float,
+    typer.Option(
+        "--interval",
+        metavar="SECONDS",
+        rich_help_panel=WATCH,
+        help="Seconds between two looks at DIR.",
+    ),
+]
+
+SettleOpt = Annotated[
+    float,
+    typer.Option(
+        "--settle",
+        metavar="SECONDS",
+        rich_help_panel=WATCH,
+        help="Formats without a completion marker (one file per step): a step's file unchanged "
+        "this long counts as complete when no later step follows it.",
+    ),
+]
+
+AuditEveryOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--audit-every",
+        metavar="N",
+        rich_help_panel=WATCH,
+        help="Read only every N-th step (step % N == 0) and keep a copy of its files in "
+        "RUN/rollouts/ (for runs that skip the training-side recompute; see docs/watch.md).",
+    ),
+]
+
+ExportToOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--export",
+        metavar="[wandb|tensorboard|trackio|jsonl]",
+        rich_help_panel=OUTPUT,
+        help="Also write each step to this tracker as it is stored, repeatable (see probe export).",
+    ),
+]
+
+ExportTargetOpt = Annotated[
+    str,
+    typer.Option(
+        "--to",
+        metavar="[wandb|tensorboard|trackio|jsonl]",
+        rich_help_panel=OUTPUT,
+        help="The tracker to write to.",
+    ),
+]
+
+ExportOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--export-out",
+        metavar="PATH",
+        rich_help_panel=OUTPUT,
+        help="Where the tracker writes (tensorboard: a log dir, jsonl: a file, wandb/trackio: "
+        "their local directory); default: under the run directory.",
+    ),
+]
+
+ExportPathOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        metavar="PATH",
+        rich_help_panel=OUTPUT,
+        help="Where the tracker writes (tensorboard: a log dir, jsonl: a file, wandb/trackio: "
+        "their local directory); default: RUN/export/<tracker>.",
+    ),
+]
+
+WandbRunOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--wandb-run",
+        metavar="ID",
+        rich_help_panel=OUTPUT,
+        help="Resume this W&B run (the training run's id) so the probe/ curves sit beside its "
+        "loss, on their own step axis.",
+    ),
+]
+
+ProjectOpt = Annotated[
+    str,
+    typer.Option(
+        "--project",
+        metavar="NAME",
+        rich_help_panel=OUTPUT,
+        help="The W&B / trackio project.",
+    ),
+]

@@ -22,6 +22,7 @@ RANKS = {
     # the two producers of a run directory, side by side: neither imports the other
     "pipeline": 7,  # the orchestration: scan stages, records, run.json, sharding, Ray, attribution
     "ingest": 7,  # a framework's logs instead of our rollouts
+    "export": 6,  # a run's numbers into trackers (reads the run through rundir/; watch calls it)
     "report": 5,  # the only stage that renders
     "gate": 4.6,  # probe check and the comparison of runs: numbers and verdicts, no rendering
     "rundir": 4.3,  # the one reader of a run directory: the views report and gate are handed

@@ -264,11 +264,18 @@ def gate(cfg: CheckConfig) -> Gate:
         ProbeError: a bound naming an unknown metric, an unknown ``--setting``, runs that are
             not comparable or share no setting, an unreadable run.
     """
+    from mismatch_probe.gate.trend import trend_bounds
     from mismatch_probe.rundir.loader import select_settings
+    from mismatch_probe.rundir.trend_run import is_trend_run
 
     run_dir = cfg.run_dir
     if not run_dir.is_dir():
         raise ProbeError(f"{run_dir} is not a run directory")
+    if is_trend_run(run_dir):  # verl-log: the logged metrics of one step, no token store
+        if cfg.baseline is not None:
+            raise ProbeError(f"{run_dir} is a trend run: it has no tokens for --baseline")
+        number, results, note = trend_bounds(run_dir, cfg.bounds, cfg.step)
+        return Gate((SettingGate(None, results, (), note),), step=number)
     checked = _integrity_gate(run_dir, cfg.step, cfg.accept)
     # Usage errors stay errors (exit 2) whatever the integrity: an unknown --setting, a missing
     # or incomparable baseline.

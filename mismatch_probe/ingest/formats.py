@@ -8,14 +8,14 @@ a format is one module with ``read`` and ``off_policy``, and one entry here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import miles, nemo_rl, prime_rl, probe_format, skyrl, slime, verl_dp
 from mismatch_probe.ingest.batches import SeqBatch, from_records
-from mismatch_probe.ingest.records import IngestConfig, SeqRecord
+from mismatch_probe.ingest.records import IngestConfig, SeqRecord, StepRange
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Format:
         checked: the source file the reader was checked against.
         batches: ``IngestConfig -> SeqBatch`` s, the same responses as ``read`` in columns
             (a vectorised reader); None: ``read``'s records gathered into batches.
+        rewrites: ``(path, steps) -> [{"step", ...}]``: the steps a later attempt wrote again
+            (a restarted trainer), whose earlier attempt the reader left out; none by default
+            (a format whose files a restarted trainer overwrites in place).
     """
 
     read: Callable[[IngestConfig], Iterator[SeqRecord]]
@@ -40,6 +43,7 @@ class Format:
     train_field: str | None
     checked: str
     batches: Callable[[IngestConfig], Iterator[SeqBatch]] | None = None
+    rewrites: Callable[[Path, StepRange], list[dict[str, Any]]] = field(default=lambda p, s: [])
 
     def read_batches(self, cfg: IngestConfig) -> Iterator[SeqBatch]:
         """The responses of ``cfg``'s steps as ``SeqBatch`` es, steps ascending."""
@@ -110,6 +114,7 @@ FORMATS: dict[str, Format] = {
         "train_logprob",
         "mismatch_probe/ingest/hook.py (ProbeWriter)",
         lambda c: probe_format.read_batches(c.path, c.steps),
+        rewrites=probe_format.rewrites,
     ),
 }
 

@@ -6,6 +6,10 @@ batch rows a file's metadata counts (``ROWS_KEY``) but that hold no trained toke
 empty records, so a step whose batch trained on nothing is reported, not silently dropped.
 A file of another writer is checked first: each column of ``PROBE_SCHEMA`` must have its kind
 (integer, float, string) and the integer columns no nulls, so no null becomes a number.
+
+A step written again (a trainer restarted on the same directory: another ``ATTEMPT_KEY``) keeps,
+per rank, the files of the latest attempt only; ``rewrites`` lists the steps where an earlier
+attempt was replaced. Files without an attempt (older writers, foreign ones) are all kept.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import pyarrow.parquet as pq
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.batches import SeqBatch, batch_of
 from mismatch_probe.ingest.hook import (
+    ATTEMPT_KEY,
     FORMAT_KEY,
     FORMAT_NAME,
     FORMAT_VERSION,
     OFF_POLICY_KEY,
     OFF_POLICY_SOURCE_KEY,
     PROBE_SCHEMA,
+    RANK_KEY,
     ROWS_KEY,
     STALENESS_KEY,
     VERSION_KEY,
@@ -36,6 +42,7 @@ from mismatch_probe.ingest.hook import (
 from mismatch_probe.ingest.records import SeqRecord, StepRange, require_dir, unique_steps
 
 _STEP_DIR = re.compile(r"step_(\d+)$")
+_RANK_FILE = re.compile(r"rank_(\d+)_\d+\.parquet$")
 ROWS_PER_READ = 65_536
 # The kind each column's Arrow type must have: (test, name for the error line).
 _KINDS = {
@@ -59,10 +66,58 @@ def step_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
         for p in path.iterdir()
         if p.is_dir() and (m := _STEP_DIR.match(p.name)) and int(m.group(1)) in steps
     ))  # fmt: skip
-    files = [(n, f) for n, d in dirs for f in sorted(d.glob("[!.]*.parquet"))]
+    files = [(n, f) for n, d in dirs for f in attempts(d)[0]]
     if not files:
         raise ProbeError(f"{path}: no step_<N>/*.parquet file in the chosen steps")
     return files
+
+
+def _attempt_of(file: Path) -> tuple[str, str]:
+    """``(rank, attempt)`` of a file from its metadata (the name's rank, ``""`` when unknown;
+    an unreadable file gets its own name, so it is kept and reported when opened)."""
+    match = _RANK_FILE.match(file.name)
+    try:
+        meta = pq.read_schema(file).metadata or {}
+    except (pa.ArrowException, OSError):
+        return file.name, ""
+    rank = meta.get(RANK_KEY, b"").decode(errors="replace") or (match.group(1) if match else "")
+    return rank or file.name, meta.get(ATTEMPT_KEY, b"").decode(errors="replace")
+
+
+def attempts(directory: Path) -> tuple[list[Path], dict[str, int]]:
+    """The files of one step directory to read (per rank, the latest attempt's; files without
+    an attempt all), and ``{rank: files of earlier attempts left out}``."""
+    by_rank: dict[str, dict[str, list[Path]]] = {}
+    for file in sorted(directory.glob("[!.]*.parquet")):
+        rank, attempt = _attempt_of(file)
+        by_rank.setdefault(rank, {}).setdefault(attempt, []).append(file)
+    keep: list[Path] = []
+    replaced: dict[str, int] = {}
+    for rank, found in by_rank.items():
+        dated = sorted(a for a in found if a)
+        latest = dated[-1] if dated else None
+        keep += [f for a, fs in found.items() if a == latest or not a for f in fs]
+        earlier = sum(len(fs) for a, fs in found.items() if a and a != latest)
+        if earlier:
+            replaced[rank] = earlier
+    return sorted(keep), replaced
+
+
+def rewrites(path: Path, steps: StepRange) -> list[dict[str, Any]]:
+    """The steps written again by a later attempt (a restarted trainer): ``{"step", "ranks",
+    "files_replaced"}`` each, steps ascending."""
+    require_dir(path, "step_<N>/ directories of ProbeWriter files")
+    out = []
+    for step, directory in sorted(
+        (int(m.group(1)), p)
+        for p in path.iterdir()
+        if p.is_dir() and (m := _STEP_DIR.match(p.name)) and int(m.group(1)) in steps
+    ):
+        replaced = attempts(directory)[1]
+        if replaced:
+            ranks = sorted(replaced, key=lambda r: (not r.isdigit(), int(r) if r.isdigit() else 0))
+            out.append({"step": step, "ranks": ranks, "files_replaced": sum(replaced.values())})
+    return out
 
 
 def _open(file: Path) -> pq.ParquetFile:

@@ -31,6 +31,8 @@ from mismatch_probe.ingest.formats import Format, get_format
 from mismatch_probe.ingest.records import IngestConfig
 from mismatch_probe.ingest.writer import Counts, RunStoreWriter
 
+VERL_LOG = "verl-log"  # verl's file logger: a trend run (``verl_log``), not a token format
+
 
 @dataclass(frozen=True)
 class IngestResult:
@@ -50,6 +52,8 @@ def check_out(out: Path) -> None:
 
 def run_ingest(cfg: IngestConfig) -> IngestResult:
     """Read, measure and report; see the module docstring."""
+    if cfg.format == VERL_LOG:
+        return _ingest_verl_log(cfg)
     fmt = get_format(cfg.format)
     check_out(cfg.out)
     if fmt.needs_model and cfg.model is None:
@@ -67,6 +71,24 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
     ):
         run, metrics, steps, ctx, timings = _ingest_into(tmp, cfg, fmt)
     return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out), timings)
+
+
+def _ingest_verl_log(cfg: IngestConfig) -> IngestResult:
+    """verl's file-logger JSONL as a trend run (``verl_log``), published like any ingest."""
+    from mismatch_probe.ingest.verl_log import ingest_verl_log
+    from mismatch_probe.rundir.trend_run import load_trend_run
+
+    check_out(cfg.out)
+    if cfg.model is not None:
+        raise ProbeError("verl-log holds logged metrics, no tokens: --model has nothing to rescore")
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp,
+        _named_as(tmp, cfg.out),
+    ):
+        run, steps = ingest_verl_log(cfg.path, tmp, cfg.steps)
+    view = load_trend_run(cfg.out)
+    return IngestResult(cfg.out, run, {}, steps, view)
 
 
 def _never(path: Path) -> bool:
@@ -227,6 +249,9 @@ def run_metadata(
         "off_policy": off_policy,
         "versions": library_versions(),
     }
+    rewritten = fmt.rewrites(cfg.path, cfg.steps) if cfg.path.is_dir() else []
+    if rewritten:  # a restarted writer: the later attempt of each step replaced the earlier
+        run["rewritten_steps"] = rewritten
     if model_dir is not None:
         from mismatch_probe import models
 

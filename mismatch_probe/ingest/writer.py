@@ -89,7 +89,16 @@ class RunStoreWriter:
     written in one by one: a row group closes once it holds ``store.ROW_GROUP_TOKENS`` tokens
     or before a new step."""
 
-    def __init__(self, out: Path, run: dict[str, Any], tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        run: dict[str, Any],
+        tokenizer: Any = None,
+        first_seq: int = 0,
+        first_prompt: int = 0,
+    ) -> None:
+        """``first_seq``/``first_prompt``: the first ids to give (``probe watch`` writes one
+        store per step, its ids following the earlier steps')."""
         self.tokenizer = tokenizer
         meta = {store.META_KEY: json.dumps(run, sort_keys=True, default=str),
                 store.VERSION_KEY: store.SCHEMA_VERSION}  # fmt: skip
@@ -104,8 +113,9 @@ class RunStoreWriter:
         self.buffered = 0
         self.prompts: dict[str, int] = {}  # this step's group keys -> prompt_id
         self.samples: dict[int, int] = {}  # this step's prompt_id -> responses so far
-        self.next_prompt = 0
+        self.next_prompt = first_prompt
         self.counts = Counts()
+        self.first_seq = first_seq
         self.empty_steps: set[int] = set()  # steps with an empty record
 
     def add(self, record: SeqRecord) -> None:
@@ -124,7 +134,7 @@ class RunStoreWriter:
         _check_int32(batch)
         ids = self._ids(batch, keep)
         lengths = batch.lengths[keep]
-        first = self.counts.sequences
+        first = self.first_seq + self.counts.sequences
         self.counts.sequences += len(keep)
         done = 0  # responses placed; a row group closes after the one that fills it
         while done < len(keep):

@@ -36,21 +36,23 @@ from mismatch_probe.store import (
     resolve_tokens_path,
     step_ranges,
 )
+from mismatch_probe.store.dataset import part_files
 
 
 def list_steps(path: Path | str) -> list[int]:
     """Every distinct step of the store, ascending ([] when it has no ``step`` column)."""
     path = resolve_tokens_path(Path(path))
-    pf = open_parquet(path)
-    if STEP_COLUMN not in pf.schema_arrow.names:
+    if STEP_COLUMN not in open_parquet(path).schema_arrow.names:
         return []
     steps: set[int] = set()
-    for i, span in enumerate(step_ranges(pf)):
-        if span is not None and span[0] == span[1]:
-            steps.add(span[0])
-            continue
-        column = pf.read_row_group(i, columns=[STEP_COLUMN]).column(STEP_COLUMN)
-        steps.update(int(s) for s in pc.unique(column.drop_null()).to_pylist())
+    for part in part_files(path):  # a directory of parts: ``probe watch`` writes one per step
+        pf = open_parquet(part)
+        for i, span in enumerate(step_ranges(pf)):
+            if span is not None and span[0] == span[1]:
+                steps.add(span[0])
+                continue
+            column = pf.read_row_group(i, columns=[STEP_COLUMN]).column(STEP_COLUMN)
+            steps.update(int(s) for s in pc.unique(column.drop_null()).to_pylist())
     return sorted(steps)
 
 

@@ -55,7 +55,7 @@ from mismatch_probe.store import (
     iter_sequence_batches,
     open_parquet,
     resolve_tokens_path,
-    step_row_groups,
+    step_source,
 )
 
 OPTIONAL_COLUMNS = (
@@ -236,18 +236,18 @@ def compute_metrics(
     names = pf.schema_arrow.names
     if setting is not None and "setting" not in names:
         raise ProbeError(f"{path} has no setting column; drop the setting filter")
-    groups = None
+    groups, read = None, path
     if step is not None:
         if STEP_COLUMN not in names:
             raise ProbeError(f"{path} has no step column (not an ingested run); drop --step")
-        groups = step_row_groups(pf, step)
+        read, groups = step_source(path, step)  # one part of a directory ``probe watch`` wrote
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
     optional += [STEP_COLUMN] if step is not None else []
     engine = MetricEngine(config, has_flip="support_flip" in names)
     seen: set[str] = set()
 
     def tables() -> Iterator[pa.Table]:
-        for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional], groups):
+        for table in iter_sequence_batches(read, [*METRIC_COLUMNS, *optional], groups):
             if step is not None:
                 table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
             table = select_setting(table, setting, seen)

@@ -56,6 +56,8 @@ def render_markdown(trend: Trend, plot: Path | None, base: Path) -> str:
     from mismatch_probe.report.markdown import escape, table
 
     lines = ["## Trend over training steps", "", escape(trend.note), ""]
+    if trend.rewritten:
+        lines += [escape(trend.rewritten), ""]
     crossings = crossing_lines(trend)
     lines += [f"- ❌ {escape(c)}" for c in crossings] or ["- every threshold holds at every step"]
     lines.append("")
@@ -79,7 +81,8 @@ def render_markdown(trend: Trend, plot: Path | None, base: Path) -> str:
 
 def render_table(trend: Trend) -> Table:
     """The rich version of the table: failing values red, the note as the caption."""
-    table = Table(title="Trend over training steps", title_justify="left", caption=trend.note,
+    caption = " ".join(n for n in (trend.note, trend.rewritten) if n)
+    table = Table(title="Trend over training steps", title_justify="left", caption=caption,
                   caption_justify="left", title_style="bold")  # fmt: skip
     table.add_column("step", justify="right")
     for metric in trend.series:

@@ -50,6 +50,8 @@ class Trend:
         failing: ``{metric: set of steps where it fails its threshold}``.
         crossings: ``{metric: [steps where it starts failing]}``.
         note: the staleness sentence for this run.
+        rewritten: the sentence naming the steps written again (a restarted trainer; ``""``
+            when none).
     """
 
     steps: list[int]
@@ -57,6 +59,7 @@ class Trend:
     failing: dict[str, set[int]]
     crossings: dict[str, list[int]]
     note: str
+    rewritten: str = ""
 
 
 def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[str, float]]:
@@ -124,7 +127,7 @@ def build_trend(per_step: dict[int, dict[str, float]], run: dict[str, Any]) -> T
         crossings[metric] = [
             s for i, s in enumerate(steps) if fails[i] and (i == 0 or not fails[i - 1])
         ]
-    return Trend(steps, series, failing, crossings, staleness_note(run))
+    return Trend(steps, series, failing, crossings, staleness_note(run), rewrite_note(run))
 
 
 def load_trend(run_dir: Path, run: dict[str, Any], config: dict[str, Any] | None) -> Trend | None:
@@ -152,6 +155,21 @@ def staleness_note(run: dict[str, Any]) -> str:
     return (
         f"The logs do not say whether rollouts were on-policy{where}: the measured ratio is "
         "engine mismatch, plus policy staleness if the run was asynchronous."
+    )
+
+
+def rewrite_note(run: dict[str, Any]) -> str:
+    """``Steps 4, 5 were written again ...`` from ``run.json``'s ``rewritten_steps`` (``""``)."""
+    found = run.get("rewritten_steps")
+    steps = [r.get("step") for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+    steps = [s for s in steps if isinstance(s, int)]
+    if not steps:
+        return ""
+    word = "Step" if len(steps) == 1 else "Steps"
+    verb = "was" if len(steps) == 1 else "were"
+    return (
+        f"{word} {', '.join(map(str, steps))} {verb} written again (a restarted trainer): "
+        "the later attempt replaces the earlier, whose data is not counted."
     )
 
 

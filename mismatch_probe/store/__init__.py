@@ -622,6 +622,23 @@ def step_ranges(pf: pq.ParquetFile) -> list[tuple[int, int] | None]:
     return out
 
 
+def step_source(path: Path, step: int) -> tuple[Path, list[int]]:
+    """Where ``step`` is in a token store: the file and its row groups that may hold it. A
+    directory of parts (``probe watch`` writes one part per step) gives the one part whose
+    footer statistics may hold the step (the first part, no row group, when none does).
+
+    Raises:
+        ProbeError: several parts may hold the step (a sharded store, not read step by step).
+    """
+    parts = part_files(path)
+    if len(parts) == 1:
+        return parts[0], step_row_groups(_open_part(parts[0], ()), step)
+    found = [(p, groups) for p in parts if (groups := step_row_groups(_open_part(p, ()), step))]
+    if len(found) > 1:
+        raise ProbeError(f"{path}: row groups (one training step) of a sharded store")
+    return found[0] if found else (parts[0], [])
+
+
 def step_row_groups(pf: pq.ParquetFile, step: int) -> list[int]:
     """The row groups that may hold rows of ``step`` (all of them when statistics are missing)."""
     return [

@@ -72,6 +72,12 @@ def _multiturn() -> dict[str, Any]:
     return bench_multiturn()
 
 
+def _watch() -> dict[str, Any]:
+    from tests.bench.watch import bench_watch
+
+    return bench_watch()
+
+
 def _sharded_metrics() -> dict[str, Any]:
     from tests.bench.sharded_metrics import bench_sharded_metrics
 
@@ -123,6 +129,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "sharded_metrics": _sharded_metrics,
     "multiturn": _multiturn,
     "lifecycle": _lifecycle,
+    "watch": _watch,
 }
 
 
