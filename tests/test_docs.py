@@ -38,7 +38,7 @@ FILES = [README_FILE, *PAGE_FILES]
 README_LIMIT = 15_000  # bytes
 GENERATED = re.compile(r"<!-- \[\[\[cog.*?<!-- \[\[\[end\]\]\] -->", re.S)
 # Options of other tools that the docs name in inline code.
-FOREIGN_OPTIONS = {"--dump-details", "--extra-index-url"}
+FOREIGN_OPTIONS = {"--dump-details", "--extra-index-url", "--skip-actor-forward-only"}
 
 
 def walk(command: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
