@@ -278,7 +278,8 @@ def report(
     No model is needed; metrics are recomputed when the options differ from metrics.json's.
     Every setting of a precision-matrix run is judged at the top.
     """
-    from mismatch_probe.report import render, write_outputs
+    from mismatch_probe.pipeline.publish import publish
+    from mismatch_probe.report import render
     from mismatch_probe.report.comment import check_format, run_comment
     from mismatch_probe.rundir import load_report
     from mismatch_probe.rundir.trend_run import is_trend_run
@@ -294,7 +295,7 @@ def report(
         _print_paths(_stdout_console(), {"report": written})
         return
     ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
-    paths = write_outputs(ctx, entries)
+    paths = publish(ctx, entries)
     if fmt == "pr-comment":
         print(run_comment(ctx, entries), end="")
         return
@@ -323,7 +324,7 @@ def compare(
     from mismatch_probe.report.compare import render_comparison, write_comparison
 
     check_format(fmt)
-    comparison = load_comparison(run_dirs, tuple(setting or ()))
+    comparison = load_comparison(run_dirs, tuple(setting or ()), intervals=fmt == "pr-comment")
     paths = write_comparison(comparison, out or default_out_dir())
     if fmt == "pr-comment":
         print(comparison_comment(comparison), end="")

@@ -187,12 +187,15 @@ def write_miles(root: Path, data: dict[int, list[Seq]]) -> Path:
 @contextmanager
 def registered(module: str, **names: object):
     """``module`` (and its parents) in ``sys.modules`` holding ``names``, for ``pickle.dump`` to
-    name classes by the framework's module path; removed afterwards."""
+    name classes by the framework's module path; removed afterwards, and an imported module's
+    own attributes put back."""
     parts = module.split(".")
     added = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
     added = [m for m in added if m not in sys.modules]
     for m in added:
         sys.modules[m] = types.ModuleType(m)
+    missing = object()
+    before = {name: getattr(sys.modules[module], name, missing) for name in names}
     for name, obj in names.items():
         setattr(sys.modules[module], name, obj)
         if callable(obj):  # pickle names it by module and qualified name
@@ -201,6 +204,11 @@ def registered(module: str, **names: object):
     try:
         yield
     finally:
+        for name, old in before.items():  # a real module (verl's, imported) gets its own back
+            if old is missing:
+                delattr(sys.modules[module], name)
+            else:
+                setattr(sys.modules[module], name, old)
         for m in added:
             del sys.modules[m]
 

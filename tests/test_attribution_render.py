@@ -9,6 +9,8 @@ from pathlib import Path
 from rich.console import Console
 
 from mismatch_probe.report import attribution
+from mismatch_probe.rundir.attribution import order_attribution, read_attribution
+from mismatch_probe.rundir.data import read_run
 
 STATS = ("k3", "mean_abs", "p99_abs", "max_abs", "bitwise_identical_fraction", "share")
 
@@ -91,9 +93,11 @@ def test_load_restores_path_and_scan_order(tmp_path: Path) -> None:
     (tmp_path / "attribution.json").write_text(
         json.dumps({"a": result, "b": result}, sort_keys=True)
     )
-    loaded = attribution.load(tmp_path)
+    found = read_attribution(tmp_path)
+    assert found is not None
+    loaded = order_attribution(found, read_run(tmp_path)["settings"])
     assert list(loaded) == ["b", "a"]
     assert list(loaded["a"]["links"]) == ["decode_vs_prefill", "batch", "kernels", "precision"]
-    rows = attribution.compare_rows([tmp_path, tmp_path])
+    rows = attribution.compare_rows([loaded, loaded])
     assert rows[0] == ["decode_vs_prefill", "2.0% (k3 1e-06)", "2.0% (k3 1e-06)"]
     assert rows[-1] == ["dominant", "kernels", "kernels"]

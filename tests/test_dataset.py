@@ -62,7 +62,7 @@ def write_sharded(table_dir: Path, table: pa.Table, shards: int, run: dict[str, 
         )
         part = table.filter(mask)
         store.write_table(dataset.part_path(table_dir, k), part, store.TOKEN_SCHEMA, run)
-        dataset.mark_done(table_dir, k, {"rows": part.num_rows})
+        store.mark_done(table_dir, k, {"rows": part.num_rows})
 
 
 @pytest.fixture(scope="module")

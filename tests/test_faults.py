@@ -489,7 +489,8 @@ def _escape_run(tmp_path: Path, name: str = "run") -> Path:
 
 def test_control_characters_are_escaped_in_every_renderer(tmp_path: Path) -> None:
     from mismatch_probe.gate.compare import load_comparison
-    from mismatch_probe.report import render, write_outputs
+    from mismatch_probe.pipeline.publish import publish
+    from mismatch_probe.report import render
     from mismatch_probe.report.compare import render_comparison, write_comparison
     from mismatch_probe.rundir import load_report
 
@@ -501,7 +502,7 @@ def test_control_characters_are_escaped_in_every_renderer(tmp_path: Path) -> Non
     assert "\x1b" not in terminal and "\u202e" not in terminal
     assert "red\\x1b[31m" in terminal
 
-    paths = write_outputs(ctx, entries)
+    paths = publish(ctx, entries)
     report = paths["report"].read_text()
     assert "\x1b" not in report and "\\x1b" in report
 
@@ -575,7 +576,7 @@ def test_incomplete_metrics_json_is_recomputed(tmp_path: Path) -> None:
 
 
 def test_non_finite_throughput_is_left_out(tmp_path: Path) -> None:
-    from mismatch_probe.rundir.loader import throughput
+    from mismatch_probe.rundir.data import throughput
 
     (tmp_path / store.SETTINGS_FILE).write_text(
         '{"settings": {"a": {"rollout_tokens_per_s": NaN}, "b": {"rollout_tokens_per_s": 3.5}}}'

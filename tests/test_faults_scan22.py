@@ -166,7 +166,7 @@ def test_an_interrupted_sharded_scan_says_what_it_kept(tmp_path: Path) -> None:
         )
         for k in (0, 2):
             dataset.shard_dir(tokens, k).mkdir(parents=True)
-            dataset.mark_done(tokens, k, {"shard": k})
+            store.mark_done(tokens, k, {"shard": k})
         dataset.shard_dir(tokens, 1).mkdir(parents=True)  # started, not finished
         message = interrupt.Interrupted(signal.SIGTERM, "shards").message()
         assert message == (
@@ -195,7 +195,7 @@ def test_run_sharded_registers_what_an_interrupt_keeps(
             raise interrupt.Interrupted(signal.SIGINT, "generation")
         tokens = Path(where) / store.TOKENS_DIR
         dataset.shard_dir(tokens, k).mkdir(parents=True)
-        dataset.mark_done(tokens, k, {"shard": k})
+        store.mark_done(tokens, k, {"shard": k})
         return {}
 
     monkeypatch.setattr(sharding, "run_shard", shard)

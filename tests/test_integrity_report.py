@@ -19,7 +19,7 @@ import pytest
 from rich.console import Console
 
 from mismatch_probe import store
-from mismatch_probe.report import write_outputs
+from mismatch_probe.pipeline.publish import publish
 from mismatch_probe.report.comment import run_comment
 from mismatch_probe.report.integrity import CLEAN, integrity_markdown, integrity_text
 from mismatch_probe.report.markdown import escape
@@ -56,7 +56,7 @@ def terminal(renderable: Any) -> str:
 def test_a_clean_run_says_so_in_one_line_first(tmp_path: Path) -> None:
     run = uniform_run(tmp_path / "run", 0.01, [4, 6])
     ctx, entries = load_report(run)
-    paths = write_outputs(ctx, entries)
+    paths = publish(ctx, entries)
     assert json.loads(paths["integrity"].read_text()) == {"findings": [], "masks_applied": []}
     md = (run / store.REPORT_FILE).read_text().splitlines()
     assert md[:4] == ["# Mismatch report: tiny-llama", "", f"✅ {escape(CLEAN)}", ""]
@@ -72,7 +72,7 @@ def test_a_clean_run_says_so_in_one_line_first(tmp_path: Path) -> None:
 def test_findings_are_shown_first_everywhere(tmp_path: Path) -> None:
     run = positive_run(tmp_path / "run")
     ctx, entries = load_report(run)
-    write_outputs(ctx, entries)
+    publish(ctx, entries)
     assert json.loads((run / "integrity.json").read_text()) == {
         "findings": [
             {
@@ -283,7 +283,7 @@ def test_a_positive_log_prob_is_never_a_probability_above_1(tmp_path: Path, valu
     """5 is a 'probability' of 148; 710 and above overflowed math.exp in the worst tokens."""
     run = positive_run(tmp_path / "run", value)
     ctx, entries = load_report(run)
-    write_outputs(ctx, entries)
+    publish(ctx, entries)
     md = (run / store.REPORT_FILE).read_text()
     worst = next(line for line in md.splitlines() if line.startswith("| 1 |"))
     cells = [c.strip() for c in worst.split("|")[1:-1]]
@@ -306,7 +306,7 @@ def test_bare_urls_from_model_text_are_not_links(tmp_path: Path) -> None:
     seqs = [Seq(URLS, [lp] * 4, [lp, lp, lp - 2.0, lp], [False] * 4), *mixed_seqs()]
     run = make_run(tmp_path / "run", seqs)
     ctx, entries = load_report(run)
-    write_outputs(ctx, entries)
+    publish(ctx, entries)
     outputs = {
         "report.md": (run / store.REPORT_FILE).read_text(),
         "comment": run_comment(ctx),
@@ -328,7 +328,7 @@ def test_compare_shows_each_runs_integrity_first(tmp_path: Path) -> None:
 
     clean = uniform_run(tmp_path / "main", 0.01, [4, 6])
     bad = positive_run(tmp_path / "pr")
-    comparison = load_comparison([clean, bad])
+    comparison = load_comparison([clean, bad], intervals=True)
     paths = write_comparison(comparison, tmp_path / "cmp")
     labels = [e.label for e in comparison.entries]
     md = paths["report"].read_text().splitlines()
@@ -341,7 +341,7 @@ def test_compare_shows_each_runs_integrity_first(tmp_path: Path) -> None:
     ]
     comment = comparison_comment(comparison)
     assert comment.index("#### Data integrity") < comment.index("#### Verdicts")
-    both_clean = load_comparison([clean, uniform_run(tmp_path / "b", 0.02, [4, 6])])
+    both_clean = load_comparison([clean, uniform_run(tmp_path / "b", 0.02, [4, 6])], intervals=True)
     text = comparison_comment(both_clean)
     assert "\n✅ Data integrity: clean in every run (" in text and "#### Data integrity" not in text
 

@@ -42,6 +42,18 @@ SIDES = {
 }
 # Imports that render: only the reports stage may make them.
 RENDERING = ("rich.table", "rich.columns", "matplotlib")
+# What reads a run directory, or computes from its store: the reports stage never does; it
+# renders the view it is handed (rundir/), a comparison or a gate result (gate/).
+READING_IMPORTS = ("pyarrow", "json.load", "mismatch_probe.store.read", "mismatch_probe.store.open")
+READERS = (  # store's readers, and the entry points that read a run directory or its store
+    "read_json", "open_parquet", "read_run_metadata", "iter_sequence_batches",
+    "resolve_tokens_path", "step_ranges", "step_row_groups", "read_routing",
+    "load_run", "load_report", "read_data", "read_run", "load_comparison", "load_routing",
+    "read_attribution", "read_steps", "steps_of", "run_integrity", "known_causes",
+    "sequence_stats", "rerender_example", "compute_metrics", "compute_integrity",
+    "compute_attribution", "compute_step_metrics",
+)  # fmt: skip
+READING_CALLS = ("open", "read_text", "load", "loads")  # open(), Path.read_text(), json.load(s)
 
 
 def _unit(path: Path) -> str:
@@ -49,15 +61,28 @@ def _unit(path: Path) -> str:
     return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
 
 
+def _is_module(name: str) -> bool:
+    """``mismatch_probe.report.turns`` names a module (or a package) of ours."""
+    parts = name.split(".")
+    if parts[0] != "mismatch_probe":
+        return False
+    where = PACKAGE.joinpath(*parts[1:])
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> list[str]:
-    """Every module name ``path`` imports, type-only and function-level imports included."""
+    """Every module name ``path`` imports, type-only and function-level imports included.
+    ``from mismatch_probe.report import turns`` imports the module ``report.turns``; a name
+    that is no module (``from mismatch_probe.report import render``) imports the package's
+    ``__init__``."""
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
             base = node.module
-            names += [base] + [f"{base}.{a.name}" for a in node.names]
+            full = [f"{base}.{a.name}" for a in node.names]
+            names += full if all(_is_module(n) for n in full) else [base, *full]
     return names
 
 
@@ -121,15 +146,15 @@ def _module_name(path: Path) -> str:
 
 def _cycles() -> list[str]:
     """Pairs of modules that import each other (function-level imports included); a package's
-    ``__init__`` (its public face, importing its modules lazily) with one of its own modules is
-    left out."""
+    ``__init__`` counts like any module: ``from mismatch_probe.report import render`` inside
+    ``report/`` imports it."""
     names = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     edges = {
         name: {i for i in _imports(path) if i in names and i != name}
         for name, path in names.items()
     }
     pairs = [(a, b) for a in edges for b in edges[a] if a < b and a in edges[b]]
-    return sorted(f"{a} <-> {b}" for a, b in pairs if not b.startswith(f"{a}."))
+    return sorted(f"{a} <-> {b}" for a, b in pairs)
 
 
 def test_no_two_modules_import_each_other() -> None:
@@ -150,3 +175,48 @@ def test_the_pipeline_has_no_branch_per_optional_part() -> None:
         and any(word in ast.unparse(node.test) for word in ("routing", "attribute"))
     ]
     assert branches == []
+
+
+def _reads(path: Path) -> list[str]:
+    """What in ``path`` reads a file or a run directory: a reading import, a reader named
+    (imported or called as ``store.read_json``), ``open()`` / ``.read_text()`` /
+    ``json.load(s)``, a parameter named ``run_dir``."""
+    tree = ast.parse(path.read_text())
+    found = [f"imports {n}" for n in _imports(path) if n.startswith(READING_IMPORTS)]
+    found += [
+        f"imports {n}" for n in _imports(path) if n.startswith("mismatch_probe.") and
+        n.rsplit(".", 1)[-1] in READERS
+    ]  # fmt: skip
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in READERS:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            json_call = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "json"
+            if name == "open" or name == "read_text" or (json_call and name in READING_CALLS):
+                found.append(f"line {node.lineno}: {ast.unparse(func)}()")
+        elif isinstance(node, ast.arg) and node.arg in ("run_dir", "run_dirs"):
+            found.append(f"line {node.lineno}: parameter {node.arg}")
+    return found
+
+
+def test_the_report_stage_renders_only() -> None:
+    """Every renderer takes a view (``rundir.RunContext``, its entries), a comparison or a gate
+    result, never a run directory, and no module of ``report/`` reads a file to find out what to
+    say: one reader (``rundir/``) builds the view, the pipeline builds it from memory. report/
+    writes its outputs (Markdown, HTML, PNG) into the directory it is handed, and embeds the
+    PNGs it drew into the HTML."""
+    offenders = [
+        f"{path.relative_to(PACKAGE)}: {what}"
+        for path in _modules()
+        if _unit(path) == "report"
+        for what in _reads(path)
+    ]
+    assert offenders == []
+
+
+def test_the_stage_records_import_no_report() -> None:
+    """The records the scan's stages pass on hold the view (``rundir``), not a renderer."""
+    names = _imports(PACKAGE / "pipeline" / "records.py")
+    assert [n for n in names if n.startswith("mismatch_probe.report")] == []

@@ -169,12 +169,13 @@ def test_matrix_store_has_typed_setting_columns(matrix: Any) -> None:
 def test_matrix_plots_show_every_series(matrix: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real scan's report, its first setting the identity (fp32/fp32): every series of every
     plot, the settings' overlays included, is visible (``test_plots_visible``)."""
-    from mismatch_probe.report import write_report
+    from mismatch_probe.pipeline.publish import publish
+    from mismatch_probe.rundir import load_report
 
     assert next(iter(json.loads((matrix.out_dir / "run.json").read_text())["settings"])) == name(
         "float32"
     )
     figures = record_figures(monkeypatch)
-    write_report(matrix.out_dir)
+    publish(*load_report(matrix.out_dir))
     overlays = {f"compare_{kind}.png" for kind in ("ratio_hist", "position", "f_tau")}
     check_all(figures, overlays | {"f_tau.png", "position.png", "ratio_hist.png"})

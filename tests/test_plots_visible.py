@@ -19,8 +19,9 @@ from matplotlib.container import Container
 from matplotlib.lines import Line2D
 
 from mismatch_probe.gate.compare import load_comparison
-from mismatch_probe.report import write_report
+from mismatch_probe.pipeline.publish import publish
 from mismatch_probe.report.compare import write_comparison
+from mismatch_probe.rundir import load_report
 from tests.test_report_fixtures import Seq, make_run, matrix_run
 
 IDENTITY = "rollout=fp32 | train=fp32"
@@ -161,7 +162,7 @@ def test_matrix_report_plots_show_every_series(
 ) -> None:
     settings = {IDENTITY: identity_seqs(), BF16: spread_seqs(0.004), FP8: spread_seqs(0.6)}
     run = matrix_run(tmp_path / "m", settings)
-    write_report(run)
+    publish(*load_report(run))
     run_plots = {f"{n}.png" for n in ("ratio_hist", "probs", "position", "seq_length", "f_tau")}
     overlays = {f"compare_{n}.png" for n in ("ratio_hist", "position", "f_tau")}
     check_all(figures, run_plots | {"prob_bins.png"} | overlays)

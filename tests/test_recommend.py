@@ -16,7 +16,7 @@ from mismatch_probe import store
 from mismatch_probe.cli import main
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
 from mismatch_probe.metrics.recommend import CONCENTRATED, Recommendation, recommend
-from mismatch_probe.report import write_outputs
+from mismatch_probe.pipeline.publish import publish
 from mismatch_probe.report.comment import run_comment
 from mismatch_probe.report.markdown import escape
 from mismatch_probe.rundir import load_report
@@ -155,7 +155,7 @@ def test_investigate_first_on_an_integrity_error(runs: dict[str, Path]) -> None:
 def test_everywhere_it_shows(runs: dict[str, Path], monkeypatch, capsys) -> None:
     run = runs["diffuse"]
     ctx, entries = load_report(run)
-    paths = write_outputs(ctx, entries)
+    paths = publish(ctx, entries)
     stored = json.loads(paths["metrics"].read_text())["recommendation"]
     assert stored["outcome"] == "preset" and stored["preset"] == "k3_rs"
     sentence = f"**Recommendation:** {escape(stored['reason'])}"
@@ -177,7 +177,7 @@ def test_every_setting_of_a_matrix(tmp_path: Path) -> None:
     ctx, entries = load_report(run)
     outcomes = {e.label: e.tables["recommendation"]["outcome"] for e in entries}
     assert outcomes == {"rollout=fp32 | train=fp32": "none_needed", SETTING: "no_preset_fits"}
-    text = write_outputs(ctx, entries)["report"].read_text()
+    text = publish(ctx, entries)["report"].read_text()
     section = text.split("Recommendation per setting:")[1]
     for e in entries:
         assert escape(e.tables["recommendation"]["reason"]) in section

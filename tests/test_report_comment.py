@@ -174,7 +174,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 def test_comparison_comment_shows_the_change_with_arrows(pair: list[Path]) -> None:
-    text = comparison_comment(load_comparison(pair))
+    text = comparison_comment(load_comparison(pair, intervals=True))
     tokens = assert_contained(text)
     assert text.startswith("### Mismatch: pr vs main (tiny-llama)\n")
     assert "> ⚠️ **The runs differ:** prompts file differs (main: p.jsonl; pr: q.jsonl)" in text
@@ -196,7 +196,7 @@ def test_cli_prints_only_the_comment(
 ) -> None:
     args = ["compare", *map(str, pair), "--out", str(tmp_path / "c"), "--format", "pr-comment"]
     code, out, _ = run_cli(args, monkeypatch, capsys)
-    assert code == 0 and out == comparison_comment(load_comparison(pair))
+    assert code == 0 and out == comparison_comment(load_comparison(pair, intervals=True))
     assert (tmp_path / "c" / "compare.html").is_file()  # the files are written either way
     code, out, _ = run_cli(["report", str(pair[1]), "--format", "pr-comment"], monkeypatch, capsys)
     assert code == 0 and out.startswith("### Mismatch report: tiny-llama\n")

@@ -209,6 +209,7 @@ def test_scan_summary_judges_every_setting(matrix: Path) -> None:
         },
         settings=settings,
         skipped={},
+        report=SimpleNamespace(routing={}, attribution={}),  # a dense run, no --attribute
     )
     console = Console(file=io.StringIO(), width=140, force_terminal=False)
     render_summary(result, console)  # type: ignore[arg-type]

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from mismatch_probe import cli
-from mismatch_probe.report import write_report
+from mismatch_probe.pipeline.publish import publish
 from mismatch_probe.report.html import render_html
 from mismatch_probe.report.plots import PLOTS
+from mismatch_probe.rundir import load_report
 from tests.browser import Browser, find_chromium
 from tests.test_report_fixtures import Seq, make_run, mixed_seqs, uniform_run
 
@@ -53,7 +54,7 @@ def hostile_seq() -> Seq:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
     run = make_run(tmp_path_factory.mktemp("html") / "run", [*mixed_seqs(), hostile_seq()])
-    return run, write_report(run)
+    return run, publish(*load_report(run))
 
 
 class Outline(HTMLParser):

@@ -14,7 +14,8 @@ from rich.console import Console
 
 from mismatch_probe import models, store
 from mismatch_probe.metrics.presets import PRESETS
-from mismatch_probe.report import render, write_report
+from mismatch_probe.pipeline.publish import publish
+from mismatch_probe.report import render
 from mismatch_probe.report.comment import run_comment
 from mismatch_probe.report.sections import settings_rows
 from mismatch_probe.rundir import load_report
@@ -75,7 +76,7 @@ def test_settings_rows_say_what_ran(labelled: Path) -> None:
 
 
 def test_no_absolute_path_in_report_html_or_comment(labelled: Path) -> None:
-    paths = write_report(labelled)
+    paths = publish(*load_report(labelled))
     ctx, _ = load_report(labelled)
     comment = run_comment(ctx)
     for text in (paths["report"].read_text(), paths["html"].read_text(), comment):
@@ -88,7 +89,7 @@ def test_no_absolute_path_in_report_html_or_comment(labelled: Path) -> None:
 
 def test_presets_in_one_order_everywhere(labelled: Path) -> None:
     """metrics.json stores its keys sorted; every renderer still lists presets in PRESETS order."""
-    write_report(labelled)
+    publish(*load_report(labelled))
     stored = json.loads((labelled / store.METRICS_FILE).read_text())["config"]["presets"]
     assert list(stored) == sorted(stored)  # the stored order is alphabetical ...
     md = (labelled / store.REPORT_FILE).read_text()

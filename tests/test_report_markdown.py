@@ -11,9 +11,10 @@ import pytest
 
 from mismatch_probe.metrics import MetricsConfig
 from mismatch_probe.metrics.stream import STRUCTURED_KEYS
-from mismatch_probe.report import write_report
+from mismatch_probe.pipeline.publish import publish
 from mismatch_probe.report.markdown import escape
 from mismatch_probe.report.plots import PLOTS
+from mismatch_probe.rundir import load_report
 from tests.test_report_fixtures import make_run, mixed_seqs, uniform_run
 
 # The fixture stores hold no train_entropy: no entropy plot is drawn (plots.NEEDS).
@@ -25,7 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
     run = make_run(tmp_path_factory.mktemp("report") / "run", mixed_seqs(), metrics=False)
-    return run, write_report(run)
+    return run, publish(*load_report(run))
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -141,7 +142,7 @@ def test_report_recomputes_with_other_thresholds(rendered, tmp_path: Path) -> No
     run = make_run(tmp_path / "run", mixed_seqs())
     before = json.loads((run / "metrics.json").read_text())
     cfg = MetricsConfig(rollout_is_threshold="0.9_1.1", presets=("token_is",))
-    write_report(run, cfg)
+    publish(*load_report(run, cfg))
     after = json.loads((run / "metrics.json").read_text())
     assert after["config"] == cfg.describe()
     assert after["rollout_is_oob_ratio"] > 0 and "rollout_is_oob_ratio" not in before
@@ -153,11 +154,11 @@ def test_identical_probabilities_and_large_runs_still_plot(
 ) -> None:
     """r = 0 everywhere (fp32 vs fp32): no log axis can hold the zeros, every plot is written;
     a run above SCATTER_MAX gets the 2-D density instead of the scatter."""
-    from mismatch_probe.report import plots
+    from mismatch_probe.rundir import context
 
-    zero = write_report(uniform_run(tmp_path / "zero", 0.0, [3, 5]))
-    monkeypatch.setattr(plots, "SCATTER_MAX", 0)
-    dense = write_report(make_run(tmp_path / "dense", mixed_seqs()))
+    zero = publish(*load_report(uniform_run(tmp_path / "zero", 0.0, [3, 5])))
+    monkeypatch.setattr(context, "SCATTER_MAX", 0)
+    dense = publish(*load_report(make_run(tmp_path / "dense", mixed_seqs())))
     for paths in (zero, dense):
         for name in DRAWN:
             assert png_size(paths[f"plot_{name}"]) == (715, 440)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from mismatch_probe.metrics.presets import PRESET_COLUMNS
 from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, evaluate
-from mismatch_probe.report import render_terminal
+from mismatch_probe.report import render
 from mismatch_probe.report.terminal import histogram, verdict_table
-from tests.test_report_fixtures import Seq, make_run, mixed_seqs
+from mismatch_probe.rundir import RunContext
+from tests.views import METRICS as VIEW_METRICS
+from tests.views import run_view, token
 
 METRICS = {
     "kl": -0.2,
@@ -106,16 +108,25 @@ def test_wide_histogram_is_merged_to_at_most_24_rows() -> None:
 
 
 @pytest.fixture
-def run(tmp_path: Path) -> Path:
-    seqs = mixed_seqs()
-    texts, rollout, train, flips = seqs[0]
-    seqs[0] = Seq(["[bold]x[/bold]", *texts[1:]], rollout, [train[0] + 0.3, *train[1:]], flips)
-    return make_run(tmp_path / "run", seqs)
+def run() -> tuple[RunContext, None]:
+    """The view of a run of 19 tokens: IS on, one preset, the worst tokens in context (one
+    whose text looks like markup, one ``](javascript:`` token, one support flip)."""
+    worst = (
+        token("](javascript:", -1.5, before=" [x", after="alert(2)) ok", seq_pos=(1, 4)),
+        token(" sat", 0.9, before="The cat", after="⏎ on", flip=True, seq_pos=(2, 2)),
+        token("[bold]x[/bold]", 0.3, after=" cat"),
+    )
+    metrics = {**VIEW_METRICS, "rollout_is_mean": 1.01, "prob_abs_diff_max": 0.2}
+    metrics |= {
+        f"presets/token_is/{c}": v for c, v in zip(PRESET_COLUMNS, (0.0, 0.0, 0.99), strict=True)
+    }
+    config = {"presets": {"token_is": "token TIS at C=2"}}
+    return run_view(metrics, worst=worst, config=config), None
 
 
-def test_full_report_shows_every_part(run: Path) -> None:
+def test_full_report_shows_every_part(run: tuple[RunContext, None]) -> None:
     c = console(None)
-    render_terminal(run, c)
+    render(*run, c)
     text = output(c)
     for part in (
         "  model           tiny-llama\n",
@@ -136,10 +147,12 @@ def test_full_report_shows_every_part(run: Path) -> None:
         assert part in text, part
 
 
-def test_no_color_keeps_the_words(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_color_keeps_the_words(
+    run: tuple[RunContext, None], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NO_COLOR", "1")
     c = Console(file=io.StringIO(), width=100, force_terminal=True)
-    render_terminal(run, c)
+    render(*run, c)
     text = output(c)
     assert "\x1b[31m" not in text and "\x1b[32m" not in text and "\x1b[1;31m" not in text
     assert "✔ PASS" in text and "low-probability tail" in text

@@ -71,13 +71,14 @@ def test_engine_args_are_the_ones_the_engine_started_with(moe_run: Path) -> None
 
 
 def test_probe_report_redraws_the_routing_plots(moe_run: Path) -> None:
-    from mismatch_probe.report import write_report
+    from mismatch_probe.pipeline.publish import publish
+    from mismatch_probe.rundir import load_report
 
     plots = moe_run / "plots"
     names = ("routing_disagreement.png", "routing_logratio_by_layers.png")
     for name in names:
         (plots / name).unlink()
-    paths = write_report(moe_run)
+    paths = publish(*load_report(moe_run))
     assert all((plots / name).is_file() for name in names)
     assert paths["plot_routing_disagreement"] == plots / names[0]
 

@@ -326,7 +326,8 @@ def test_minus_infinity_log_prob_keeps_routing_json_finite(tmp_path: Path) -> No
     metric engine's floor (-9999): routing.json and the summary stay finite, and R3's share is
     a number, never 'nan%'."""
     from mismatch_probe.pipeline.routes import routing_outputs
-    from mismatch_probe.report.routing import load, summary_lines
+    from mismatch_probe.report.routing import summary_lines
+    from mismatch_probe.rundir.routing import load_routing
     from mismatch_probe.settings import RolloutSetting, Setting
 
     none, r3 = (Setting(RolloutSetting("bfloat16"), "float32", m) for m in ("none", "rollout"))
@@ -351,7 +352,7 @@ def test_minus_infinity_log_prob_keeps_routing_json_finite(tmp_path: Path) -> No
     routing_outputs(tmp_path, [none, r3])
     text = (tmp_path / store.ROUTING_METRICS_FILE).read_text()
     assert "Infinity" not in text and "NaN" not in text
-    data = load(tmp_path)
+    data = load_routing(tmp_path)
     split = next(iter(data.values()))["metrics"]
     floor = -9999.0 + 1.0  # r of the -inf token: floor - rollout
     k3_floor = math.expm1(floor) - floor

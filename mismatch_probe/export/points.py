@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.export import StepPoint
+from mismatch_probe.export.spec import StepPoint
 from mismatch_probe.metrics.integrity import Finding
 
 STEPS_LOG = "steps.jsonl"  # ``ingest.stepstore.STEPS_LOG`` (a lower rank cannot import it)
@@ -53,12 +53,13 @@ def _steps(run_dir: Path) -> dict[int, dict[str, float]]:
         pass
     if not _has_tokens(run_dir):
         raise ProbeError(f"{run_dir} has no steps.json and no token store: nothing per step")
-    from mismatch_probe.rundir.trend import read_steps
+    from mismatch_probe.metrics import MetricsConfig
+    from mismatch_probe.rundir.trend import steps_of
 
-    found = read_steps(run_dir, None)
-    if not found:
+    found = steps_of(store.resolve_tokens_path(run_dir), None, MetricsConfig().describe())
+    if found is None or not found.per_step:
         raise ProbeError(f"{run_dir} has no training steps (a scan, not an ingested run)")
-    return found
+    return found.per_step
 
 
 def _logged(path: Path) -> Iterator[StepPoint]:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.export import (
+from mismatch_probe.export.spec import (
     EXTRAS,
     STEP_AXIS,
     ExportSpec,

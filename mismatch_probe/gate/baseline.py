@@ -36,7 +36,7 @@ from mismatch_probe.gate.compare import IDENTITY, _lookup, _short
 from mismatch_probe.gate.config import CheckConfig
 from mismatch_probe.metrics.integrity import Finding, Integrity, errors
 from mismatch_probe.rundir.context import RunContext, load_run
-from mismatch_probe.rundir.context import _run_metadata as run_metadata
+from mismatch_probe.rundir.data import read_run
 
 # What two runs must share to be gated against each other: what ``probe compare`` checks, but
 # the model's directory name (two checkouts may name it differently: its config hash decides).
@@ -284,7 +284,7 @@ def gate(cfg: CheckConfig) -> Gate:
     if cfg.baseline is not None:
         if not cfg.baseline.is_dir():
             raise ProbeError(f"{cfg.baseline} is not a run directory")
-        head_run, base_run = (run_metadata(d) for d in (run_dir, cfg.baseline))
+        head_run, base_run = (read_run(d) for d in (run_dir, cfg.baseline))
         differences = check_comparable(head_run, base_run, cfg.allow_different)
     try:
         bounds = _gate_bounds(cfg, head_settings, differences)

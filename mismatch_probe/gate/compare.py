@@ -5,12 +5,15 @@ run holds several settings they are paired by name across the runs (``SettingPai
 settings only some runs hold listed as ``unpaired``. ``run_differences`` says what differs
 between runs (``IDENTITY``: model, prompts, sampling, hardware), which the reports print as a
 warning: such runs measure different things; the baseline gate refuses them
-(``baseline.COMPARABLE``). The tables and plots of a comparison are ``report.compare``'s.
+(``baseline.COMPARABLE``). ``with_intervals`` adds the noise of each change against the first
+run (the bootstrap over responses of ``probe check --baseline``), which the PR comment judges
+changes by. The tables and plots of a comparison are ``report.compare``'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,8 @@ from typing import Any
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.rundir.context import Entry, RunContext, load_run
 
+CHANGE_LEVEL = 0.95  # confidence level of the interval of a change against the first run
+Intervals = dict[tuple[int, str], tuple[float, float]]  # (run index, metric) -> interval
 # What must match for runs to measure the same thing: (what, path in run.json).
 IDENTITY: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("model", "name")),
@@ -80,6 +85,7 @@ class SettingPair:
     setting: str | None
     runs: tuple[RunContext, ...]
     entries: tuple[Entry, ...]
+    intervals: Intervals = field(default_factory=dict)  # with_intervals
 
     @property
     def title(self) -> str:
@@ -99,10 +105,11 @@ class Comparison:
     warnings: tuple[str, ...]
     pairs: tuple[SettingPair, ...] = ()
     unpaired: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    intervals: Intervals = field(default_factory=dict)  # of ``runs`` (no pair), with_intervals
 
     @property
     def all_pairs(self) -> tuple[SettingPair, ...]:
-        return self.pairs or (SettingPair(None, self.runs, self.entries),)
+        return self.pairs or (SettingPair(None, self.runs, self.entries, self.intervals),)
 
     def unpaired_lines(self) -> list[str]:
         """``rollout=fp16 | train=fp32: only in a`` for each setting not every run holds."""
@@ -114,10 +121,13 @@ def default_out_dir() -> Path:
     return Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def load_comparison(run_dirs: list[Path], settings: tuple[str, ...] = ()) -> Comparison:
+def load_comparison(
+    run_dirs: list[Path], settings: tuple[str, ...] = (), intervals: bool = False
+) -> Comparison:
     """Load every run (its stored metrics); at least two are needed. When a run holds several
     settings (or ``settings`` are asked for), settings are paired by name across the runs: one
-    ``SettingPair`` per setting every run holds, the others listed as ``unpaired``.
+    ``SettingPair`` per setting every run holds, the others listed as ``unpaired``. With
+    ``intervals``, each change against the first run gets its noise (``with_intervals``).
 
     Raises:
         ProbeError: fewer than two runs, a ``--setting`` no run holds, no setting in common.
@@ -134,15 +144,43 @@ def load_comparison(run_dirs: list[Path], settings: tuple[str, ...] = ()) -> Com
             Entry(lab, r.metrics, r.curves) for lab, r in zip(labels, runs, strict=True)
         )
         warnings = tuple(run_differences(labels, [r.run for r in runs]))
-        return Comparison(tuple(runs), entries, warnings)
-    return _load_pairs([Path(d) for d in run_dirs], names, settings)
+        comparison = Comparison(tuple(runs), entries, warnings)
+    else:
+        comparison = _load_pairs([Path(d) for d in run_dirs], names, settings)
+    return with_intervals(comparison) if intervals else comparison
+
+
+def with_intervals(comparison: Comparison, level: float = CHANGE_LEVEL) -> Comparison:
+    """``comparison`` with the bootstrap interval of each change against the first run, per
+    pair (``change_intervals``)."""
+    if not comparison.pairs:
+        return replace(comparison, intervals=change_intervals(comparison.runs, level))
+    pairs = tuple(replace(p, intervals=change_intervals(p.runs, level)) for p in comparison.pairs)
+    return replace(comparison, pairs=pairs)
+
+
+def change_intervals(runs: Sequence[RunContext], level: float = CHANGE_LEVEL) -> Intervals:
+    """``(run index, metric) -> interval of run's value - the first run's`` for the metrics the
+    bootstrap covers (``bootstrap.TERMS``) and runs with enough responses: the same paired
+    resampling as ``probe check --baseline``."""
+    from mismatch_probe.gate import bootstrap
+
+    stats = [bootstrap.sequence_stats(r.run_dir, r.setting) for r in runs]
+    out = {}
+    for i in range(1, len(stats)):
+        pair = [stats[0], stats[i]]
+        for key in bootstrap.TERMS:
+            if all(s.usable(key) for s in pair):
+                base, head = bootstrap.replicates(pair, key)
+                out[(i, key)] = bootstrap.interval(head - base, level)
+    return out
 
 
 def _load_pairs(
     run_dirs: list[Path], names: list[list[str]], wanted: tuple[str, ...]
 ) -> Comparison:
     """Settings paired by name (see ``load_comparison``); runs labelled by directory."""
-    from mismatch_probe.rundir.context import _run_metadata
+    from mismatch_probe.rundir.data import read_run
 
     order = list(dict.fromkeys(s for n in names for s in n))
     missing = [w for w in wanted if w not in order]
@@ -150,7 +188,7 @@ def _load_pairs(
         raise ProbeError(f"--setting {missing[0]!r}: none of the runs holds it")
     order = [s for s in order if s in wanted] if wanted else order
     labels = _dir_labels(run_dirs)
-    metas = [_run_metadata(d) for d in run_dirs]
+    metas = [read_run(d) for d in run_dirs]
     pairs, unpaired = [], []
     for setting in order:
         holders = [i for i, n in enumerate(names) if setting in n]

@@ -113,9 +113,10 @@ def _named_as(tmp: Path, out: Path) -> Iterator[None]:
 def _ingest_into(
     tmp: Path, cfg: IngestConfig, fmt: Format
 ) -> tuple[dict[str, Any], dict[str, float], dict[int, dict[str, float]], Any, dict[str, float]]:
+    from mismatch_probe.metrics.attribution import compute_attribution
     from mismatch_probe.report import write_outputs
-    from mismatch_probe.rundir.loader import load_report
-    from mismatch_probe.rundir.trend import write_steps
+    from mismatch_probe.rundir import RunData, build_report, write_data
+    from mismatch_probe.rundir.trend import Steps
 
     clock = [time.perf_counter()]
     timings: dict[str, float] = {}
@@ -142,14 +143,21 @@ def _ingest_into(
     store.write_json(tmp / store.RUN_FILE, run)
     lap("store")
     with interrupt.stage("metrics"):
-        metrics, by_step, integrity = measure(tmp / store.TOKENS_FILE, run)
-        store.write_json(tmp / store.METRICS_FILE, metrics.to_json_dict())
-        steps = by_step
-        write_steps(tmp, steps, metrics.config.describe())
+        tokens = tmp / store.TOKENS_FILE
+        metrics, steps, integrity = measure(tokens, run)
+        found = compute_attribution(tokens)  # {}: a framework's logs hold no rung
     lap("metrics")
-    with interrupt.stage("reports"):
-        ctx, entries = load_report(tmp, integrity=integrity)
-        write_outputs(ctx, entries)
+    with interrupt.stage("reports"):  # the view from memory; metrics.json written once
+        per_step = Steps(metrics.config.describe(), steps)
+        data = RunData(
+            run,
+            metrics={None: metrics.to_json_dict()},
+            attribution=found,
+            steps=per_step,
+            integrity=integrity,
+        )
+        ctx, entries = build_report(tmp, data)
+        write_outputs(ctx, entries, tmp, write_data(ctx, tmp))
     lap("reports")
     return run, metrics.flat(), steps, ctx, timings
 

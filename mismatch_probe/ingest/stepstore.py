@@ -141,8 +141,8 @@ class StepStore:
                 counts = writer.close()
             sequences = self.out / store.SEQUENCES_DIR / PART.format(step)
             if counts.tokens:
-                os.replace(tmp / store.SEQUENCES_FILE, sequences)
-                os.replace(tmp / store.TOKENS_FILE, self.part(step))
+                store.move_into_place(tmp / store.SEQUENCES_FILE, sequences)
+                store.move_into_place(tmp / store.TOKENS_FILE, self.part(step))
             else:  # nothing trained in this attempt: an earlier attempt's part goes too
                 self.part(step).unlink(missing_ok=True)
                 sequences.unlink(missing_ok=True)
@@ -232,17 +232,17 @@ class StepStore:
         ``RunContext`` (None when no step holds a valid token: no report is written)."""
         from mismatch_probe.metrics import MetricsConfig
         from mismatch_probe.report import write_outputs
-        from mismatch_probe.rundir import load_report
-        from mismatch_probe.rundir.trend import write_steps
+        from mismatch_probe.rundir import load_report, write_data
+        from mismatch_probe.rundir.trend import Steps, write_steps
 
         run = self.run_json()
         store.write_json(self.out / store.RUN_FILE, run)
         steps = {s: m for s, m in last_lines(self.out / STEPS_LOG) if m}
-        write_steps(self.out, dict(sorted(steps.items())), MetricsConfig().describe())
+        write_steps(self.out, Steps(MetricsConfig().describe(), dict(sorted(steps.items()))))
         if "counts" not in run or not steps:  # no step with a valid token: nothing to report
             return None
-        ctx, entries = load_report(self.out, run=run)
-        write_outputs(ctx, entries)
+        ctx, entries = load_report(self.out)
+        write_outputs(ctx, entries, self.out, write_data(ctx, self.out))
         return ctx
 
 

@@ -13,13 +13,16 @@ routes (the ``replay=none`` setting) are its L4. Everything is raw: ``--attribut
 log-probability mode.
 
 The rungs become nullable columns of ``tokens.parquet`` (``store.RUNG_FIELDS``); the numbers
-are computed from the store (``metrics.attribution``), so ``probe report`` reproduces them.
+are computed from the store (``metrics.attribution``) by the finishing step (``finish``, written
+as ``attribution.json`` with the run's other data files), so ``probe report`` reads them back and
+can reproduce them from the store.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -212,6 +215,14 @@ def _flat(per_seq: Sequence[Any]) -> np.ndarray:
     """Per-sequence values (lists or arrays) -> one flat ``[N]`` float32 array."""
     arrays = [np.asarray(x, dtype=np.float32) for x in per_seq]
     return np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
+
+
+def finish(tokens: Path) -> dict[str, dict[str, Any]]:
+    """The attribution of every setting of the store written (``{}`` for a scan without
+    ``--attribute``: no rung columns)."""
+    from mismatch_probe.metrics.attribution import compute_attribution
+
+    return compute_attribution(tokens)
 
 
 def with_rungs(table: pa.Table, rungs: dict[str, np.ndarray | None]) -> pa.Table:

@@ -6,7 +6,8 @@ model: the engine is started so that routes can be captured
 (``engine_kwargs``, ``engine_env``), each engine's routes are captured after sampling
 (``capture``), the training forward records (or, with ``--routing-replay rollout``, forces) its
 routes while rescoring (``train_routing``), and the routes are stored (``routing.parquet``),
-measured (``routing.json``); the report draws the routing section and plots from that file.
+measured (``routing.json``); the report draws the routing section and plots from those numbers
+(handed over in memory at the end of a scan, read back from the file by ``probe report``).
 """
 
 from __future__ import annotations
@@ -124,28 +125,30 @@ def write_routing(
 
 def finish(
     out: Path, routing: Routing | None, settings: list[Setting], run: dict[str, Any]
-) -> dict[str, Path]:
+) -> tuple[dict[str, Path], dict[str, Any]]:
     """The finishing step's routing part: the metadata in ``run`` (``run["routing"]``) and
     ``routing.json`` over the stored routes of ``settings``. For a dense model, the routing
     files an earlier MoE run left in ``out`` are removed (they would describe another run).
 
     Returns:
-        ``{"routing": ..., "routing_metrics": ...}`` ({} for a dense model).
+        ``{"routing": ..., "routing_metrics": ...}`` and what ``routing.json`` holds (both {}
+        for a dense model).
     """
     from mismatch_probe.routing import store as routing_store
 
     if routing is None:
         remove_outputs(out)
-        return {}
+        return {}, {}
     run["routing"] = routing_store.routing_metadata(routing.shape, routing.setup.capture_path)
     stored = {"routing": routing_store.resolve_routing_path(out)}
-    return {**stored, **routing_outputs(out, settings)}
+    paths, data = routing_outputs(out, settings)
+    return {**stored, **paths}, data
 
 
-def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:
+def routing_outputs(out: Path, settings: list[Setting]) -> tuple[dict[str, Path], dict[str, Any]]:
     """``routing.json`` (``store.ROUTING_METRICS_FILE``): per rollout/training pair, the
-    disagreement, the mismatch split by it, and what each replay mode removes. The report
-    draws its section and plots from it."""
+    disagreement, the mismatch split by it, and what each replay mode removes; returns its
+    path and what it holds (the report draws its section and plots from that)."""
     from mismatch_probe.routing.metrics import analyze_run
     from mismatch_probe.routing.store import resolve_routing_path
     from mismatch_probe.settings import Setting
@@ -164,7 +167,7 @@ def routing_outputs(out: Path, settings: list[Setting]) -> dict[str, Path]:
         }
     path = out / store.ROUTING_METRICS_FILE
     store.write_json(path, results)
-    return {"routing_metrics": path}
+    return {"routing_metrics": path}, results
 
 
 def remove_outputs(out: Path) -> None:

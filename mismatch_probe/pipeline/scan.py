@@ -297,10 +297,11 @@ def finish(
 ) -> ScanResult:
     """The one finishing step, after every range has written its rows: the metrics of every
     setting (computed once, streamed over the store), ``settings.json``, the MoE routing
-    metrics, the reports (handed the run metadata and the setting order in memory: nothing
-    reads a ``run.json`` an earlier run left), then ``run.json``."""
-    from mismatch_probe.report import write_outputs
-    from mismatch_probe.rundir.loader import load_report
+    metrics, the attribution; the run's view built from them in memory (``rundir.RunData``:
+    nothing reads a ``run.json`` an earlier run left), its data files, the reports, then
+    ``run.json``."""
+    from mismatch_probe.pipeline.publish import publish
+    from mismatch_probe.rundir import RunData, build_report
 
     out = prep.out_dir
     runs, speed = merged_runs(cfg, records)
@@ -316,12 +317,20 @@ def finish(
             entry["tokens_per_s"] = speed[r.setting]
             entry.update(prefix_cache(records, r.setting.name))
         run.update(range_fields(cfg, records))
-        paths.update(routes.finish(out, prep.routing, present, run))  # no-op for a dense model
+        routing_paths, routing = routes.finish(out, prep.routing, present, run)  # {} for dense
+        paths.update(routing_paths)
+        found = attribution.finish(paths["tokens"])  # {} without --attribute
     with timer("reports"):
-        computed = {s.name: m.to_json_dict() for s, m in results.items()}
-        order = [s.name for s in present]
-        report, entries = load_report(out, computed=computed, run=run, order=order)
-        paths.update(write_outputs(report, entries))
+        data = RunData(
+            run,
+            order=[s.name for s in present],
+            metrics={s.name: m.to_json_dict() for s, m in results.items()},
+            throughput={s.name: speed[s.rollout] for s in present},
+            routing=routing,
+            attribution=found,
+        )
+        report, entries = build_report(out, data)
+        paths.update(publish(report, entries, out))
     paths["run"] = out / store.RUN_FILE
     run["timings"] = dict(timer.seconds)
     with interrupt.stage("writing"):

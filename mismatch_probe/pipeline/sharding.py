@@ -152,9 +152,9 @@ def run_shard(cfg: ScanConfig, shard: int, bounds: tuple[int, int], out: str) ->
         info = scan.run_range(cfg, prep, part, timer, progress, console)
     for name in (store.ROUTING_DIR, store.SEQUENCES_DIR):
         if dataset.shard_dir(folder / name, shard).is_dir():  # routing: an MoE model's only
-            dataset.mark_done(folder / name, shard, info)
+            store.mark_done(folder / name, shard, info)
     tokens_dir = folder / store.TOKENS_DIR
-    dataset.mark_done(tokens_dir, shard, info)  # last: the shard counts as finished from here
+    store.mark_done(tokens_dir, shard, info)  # last: the shard counts as finished from here
     (dataset.shard_dir(tokens_dir, shard) / RUNNING).unlink(missing_ok=True)
     return info
 

@@ -2,9 +2,15 @@
 
 Public API::
 
-    from mismatch_probe.report import write_report, render_terminal
-    paths = write_report(run_dir)          # metrics.json, plots/*.png, report.md, report.html
-    render_terminal(run_dir, Console())    # the terminal report
+    from mismatch_probe.report import render, write_outputs
+    ctx, entries = rundir.load_report(run_dir)   # the view (rundir builds it, report renders it)
+    render(ctx, entries, Console())             # the terminal report
+    paths = write_outputs(ctx, entries, out_dir, data_paths)  # plots/*.png, report.md, .html
+
+Every renderer takes what it is handed (a ``rundir.RunContext`` view, its ``Entry`` list, a
+``gate.compare.Comparison``, a ``gate.baseline.Gate``) and writes output; none reads the run
+directory to find out what to say (``tests/test_layers.py`` checks it). The data files
+(``metrics.json``, ``integrity.json``, ...) are ``rundir.write_data``'s, written before this.
 
 Module map: ``integrity`` (the data-integrity findings, shown first in every report),
 ``sections`` (which metrics, grouped how, formatted how), ``terminal`` (rich), ``plots``
@@ -23,34 +29,35 @@ tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mismatch_probe import store
 from mismatch_probe.rundir.context import Entry, RunContext
-from mismatch_probe.rundir.loader import load_report
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from mismatch_probe.metrics import MetricsConfig
-
-__all__ = [
-    "render",
-    "render_terminal",
-    "write_outputs",
-    "write_report",
-]
+__all__ = ["render", "write_outputs"]
 
 
-def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[str, Path]:
-    """Write ``integrity.json`` (when ``ctx`` has the findings), ``metrics.json``,
-    ``plots/<name>.png`` (the routing plots too, for an MoE run), ``report.md`` and
-    ``report.html`` (the same report in one self-contained file) of a loaded run; with
-    ``entries`` (the settings of a matrix run) the report ends with them side by side.
+def write_outputs(
+    ctx: RunContext,
+    entries: list[Entry] | None,
+    out_dir: Path,
+    data: Mapping[str, Path] | None = None,
+) -> dict[str, Path]:
+    """Write ``plots/<name>.png`` (the routing, per-turn, attribution and trend plots too, where
+    the run has them), ``report.md`` and ``report.html`` (the same report in one self-contained
+    file) of the view ``ctx`` into ``out_dir``; with ``entries`` (the settings of a matrix run)
+    the report ends with them side by side.
+
+    Args:
+        data: the data files already written (``rundir.write_data``), listed with the outputs.
 
     Returns:
-        ``{"metrics": ..., "integrity": ..., "report": ..., "html": ..., "plot_<name>": ...}``
+        ``{"metrics": ..., "report": ..., "integrity": ..., "html": ..., "plot_<name>": ...}``
     """
     from mismatch_probe.report import attribution, turns
     from mismatch_probe.report.html import write_html
@@ -59,39 +66,36 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
     from mismatch_probe.report.settings import settings_markdown, settings_top_markdown
     from mismatch_probe.report.trend_plot import write_trend
-    from mismatch_probe.rundir.context import setting_names
-    from mismatch_probe.rundir.integrity import write_integrity
 
-    run_dir = store.writable_dir(ctx.run_dir, "run directory")
-    paths = {"metrics": run_dir / store.METRICS_FILE, "report": run_dir / store.REPORT_FILE}
-    if ctx.integrity is not None:
-        paths["integrity"] = write_integrity(run_dir, ctx.integrity)
-    names = setting_names(run_dir, ctx.run.get("settings")) if ctx.setting is not None else []
-    if not names or ctx.setting == names[0]:  # metrics.json holds the scan's first setting
-        store.write_json(paths["metrics"], ctx.json_dict())
-    else:
-        del paths["metrics"]
-    plots = write_plots(ctx, run_dir / store.PLOTS_DIR)
-    extra_plots = write_routing_plots(run_dir)
-    turns_plot = turns.write_plot(ctx, run_dir / store.PLOTS_DIR)
+    out = store.writable_dir(Path(out_dir), "run directory")
+    written = dict(data or {})
+    plots_dir = out / store.PLOTS_DIR
+    plots = write_plots(ctx, plots_dir)
+    routing_plots = write_routing_plots(ctx.routing, plots_dir)
+    extra_plots = dict(routing_plots)
+    turns_plot = turns.write_plot(ctx, plots_dir)
     if turns_plot is not None:
         extra_plots["plot_turns"] = turns_plot
-    attribution_plots, attribution_md = attribution.outputs(run_dir)
-    extra_plots.update(attribution_plots)
-    trend, trend_plot = write_trend(ctx)
+    attribution_plot = attribution.write_plot(ctx.attribution, plots_dir)
+    extra_plots.update({k: written[k] for k in ("attribution",) if k in written})
+    extra_plots.update({"plot_attribution": attribution_plot} if attribution_plot else {})
+    trend, trend_plot = write_trend(ctx, plots_dir, out)
     if trend_plot:
         extra_plots["plot_trend"] = trend_plot
     matrix = entries if entries and len(entries) > 1 else None
-    top = settings_top_markdown(matrix, ctx.label, len(names)) if matrix else None
+    top = settings_top_markdown(matrix, ctx.label, len(ctx.settings)) if matrix else None
     sections = [
-        render_markdown(ctx, plots, top),
+        render_markdown(ctx, plots, out, top),
         turns.markdown(ctx, turns_plot),
-        settings_markdown(matrix, run_dir) if matrix else "",
-        routing_markdown(run_dir),
-        attribution_md,
+        settings_markdown(matrix, out) if matrix else "",
+        routing_markdown(ctx.routing, routing_plots),
+        attribution.markdown_section(ctx.attribution, attribution_plot, out),
         trend,
     ]
     text = "\n".join(section for section in sections if section)
+    paths = {k: written[k] for k in ("metrics",) if k in written}
+    paths["report"] = out / store.REPORT_FILE
+    paths.update({k: written[k] for k in ("integrity",) if k in written})
     store.write_text(paths["report"], text)
     model = ctx.run.get("model", {}).get("name", ctx.label)
     paths["html"] = write_html(text, paths["report"], f"Mismatch report: {model}")
@@ -101,7 +105,7 @@ def write_outputs(ctx: RunContext, entries: list[Entry] | None = None) -> dict[s
 
 def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> None:
     """For a matrix run every setting judged first, then the terminal report (of the reference
-    setting, which its header names)."""
+    setting, which its header names), the trend of an ingested run and the attribution."""
     from dataclasses import replace
 
     from rich.text import Text
@@ -112,7 +116,6 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
     from mismatch_probe.report.settings import render_settings
     from mismatch_probe.report.terminal import render_run
     from mismatch_probe.report.trend_table import render_table
-    from mismatch_probe.rundir.trend import load_trend
 
     if entries and len(entries) > 1:
         if ctx.integrity is not None:  # first, before every setting judged (spec section 8)
@@ -124,22 +127,6 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
         )
         console.print(Text(visible(note), style="italic"), highlight=False)
     render_run(ctx, console)
-    trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
-    if trend is not None:
-        console.print(render_table(trend))
-    attribution.render(ctx.run_dir, console)
-
-
-def write_report(
-    run_dir: Path, metrics_config: MetricsConfig | None = None, settings: tuple[str, ...] = ()
-) -> dict[str, Path]:
-    """Load ``run_dir`` (recomputing the metrics if ``metrics_config`` differs from the stored
-    one) and write its reports; see ``write_outputs``."""
-    return write_outputs(*load_report(run_dir, metrics_config, settings=settings))
-
-
-def render_terminal(
-    run_dir: Path, console: Console, metrics_config: MetricsConfig | None = None
-) -> None:
-    """Print the terminal report of ``run_dir`` on ``console``."""
-    render(*load_report(run_dir, metrics_config), console)
+    if ctx.trend is not None:
+        console.print(render_table(ctx.trend))
+    attribution.render(ctx.attribution, console)

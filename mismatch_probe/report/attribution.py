@@ -1,14 +1,14 @@
-"""Attribution in the reports: ``attribution.json``, a terminal table, a report.md section, the
-dominant source in words, and the links of several runs side by side (``probe compare``).
+"""Attribution in the reports: a terminal table, a report.md section, the plot, the dominant
+source in words, and the links of several runs side by side (``probe compare``).
 
-The numbers come from ``metrics.attribution`` over the token store alone (``probe report``
-recomputes them and rewrites ``attribution.json``); the views read that file back. A run
-scanned without ``--attribute`` has no rung columns and gets no attribution output at all.
+The numbers are the view's (``RunContext.attribution``: computed by ``metrics.attribution`` from
+the token store when the scan finishes, read back from ``attribution.json`` by
+``rundir.attribution``). A run scanned without ``--attribute`` has none and gets no attribution
+output at all.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -17,11 +17,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from mismatch_probe import store
-from mismatch_probe.metrics.attribution import LINKS, compute_attribution
+from mismatch_probe.metrics.attribution import LINKS
 from mismatch_probe.report.markdown import escape, table
 
-ATTRIBUTION_FILE = "attribution.json"
 PLOT_FILE = "attribution.png"
 LINK_WORDS = {link.name: link.words for link in LINKS}
 COLUMNS = (  # (stat, header, format)
@@ -42,53 +40,17 @@ PATH_NOTE = (
 Attribution = dict[str, dict[str, Any]]  # setting -> {"links": {...}, "dominant": ...}
 
 
-def compute(run_dir: Path) -> Attribution:
-    """Attribution of every setting from ``tokens.parquet`` ({} without rung columns)."""
-    return compute_attribution(store.resolve_tokens_path(Path(run_dir)))
-
-
-def load(run_dir: Path) -> Attribution:
-    """``attribution.json`` when present (else computed from the store), settings in the
-    scan's order and links in path order (the file's keys are sorted)."""
-    path = Path(run_dir) / ATTRIBUTION_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = None
-    if not isinstance(data, dict):
-        return compute(run_dir)
-    order = _setting_order(Path(run_dir))
-    settings = sorted(data, key=lambda s: order.index(s) if s in order else len(order))
-    return {s: _in_path_order(data[s]) for s in settings}
-
-
-def _setting_order(run_dir: Path) -> list[str]:
-    try:
-        names = json.loads((run_dir / store.RUN_FILE).read_text()).get("settings", [])
-    except (OSError, ValueError, AttributeError):
-        return []
-    return [n for n in names if isinstance(n, str)]
-
-
-def _in_path_order(result: dict[str, Any]) -> dict[str, Any]:
-    links = result.get("links", {})
-    ordered = {link.name: links[link.name] for link in LINKS if link.name in links}
-    return {**result, "links": ordered}
-
-
-def write(run_dir: Path, data: Attribution) -> dict[str, Path]:
-    """Write ``attribution.json`` and ``plots/attribution.png``; remove stale ones when a run
-    has no attribution (an earlier ``--attribute`` scan into the same directory)."""
+def write_plot(data: Attribution, plots_dir: Path) -> Path | None:
+    """``plots/attribution.png``; a stale one is removed when the run has no attribution (an
+    earlier ``--attribute`` scan into the same directory)."""
     from mismatch_probe.report.attribution_plot import plot_attribution
 
-    json_path, plot_path = run_dir / ATTRIBUTION_FILE, run_dir / "plots" / PLOT_FILE
+    path = plots_dir / PLOT_FILE
     if not data:
-        json_path.unlink(missing_ok=True)
-        plot_path.unlink(missing_ok=True)
-        return {}
-    store.write_json(json_path, data)
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
-    return {"attribution": json_path, "plot_attribution": plot_attribution(data, plot_path)}
+        path.unlink(missing_ok=True)
+        return None
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    return plot_attribution(data, path)
 
 
 def _dtype(setting: str, side: str) -> str:
@@ -141,8 +103,8 @@ def terminal_view(data: Attribution) -> list[RenderableType]:
     return [terminal_table(data), *lines, Text(PATH_NOTE, style="dim")]
 
 
-def render(run_dir: Path, console: Any) -> None:
-    view = terminal_view(load(run_dir))
+def render(data: Attribution, console: Any) -> None:
+    view = terminal_view(data)
     if view:
         console.print(Group(*view))
 
@@ -166,17 +128,10 @@ def markdown_section(data: Attribution, plot: Path | None, base: Path) -> str:
     return "\n".join(lines)
 
 
-def outputs(run_dir: Path) -> tuple[dict[str, Path], str]:
-    """Recompute from the store, write the files; returns (paths, report.md section)."""
-    data = compute(run_dir)
-    paths = write(run_dir, data)
-    return paths, markdown_section(data, paths.get("plot_attribution"), run_dir)
-
-
-def compare_rows(run_dirs: list[Path]) -> list[list[str]]:
+def compare_rows(runs: list[Attribution]) -> list[list[str]]:
     """``[link, share of run 1, share of run 2, ...]`` (each run's first setting; "—" when a
     link does not apply), plus a row naming each run's dominant link; [] when no run has any."""
-    firsts = [next(iter(load(d).values()), None) for d in run_dirs]
+    firsts = [next(iter(data.values()), None) for data in runs]
     if not any(firsts):
         return []
     rows = []

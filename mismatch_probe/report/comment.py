@@ -9,7 +9,8 @@ comment past ``COMMENT_LIMIT`` characters is left out with a note (GitHub refuse
 65,536 characters).
 
 A comparison's comment describes its last run (HEAD) against its first (the baseline), with a
-column for every run in between.
+column for every run in between; each change is judged against the noise the comparison holds
+(``gate.compare.with_intervals``: ``probe compare --format pr-comment`` loads it so).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mismatch_probe.gate.compare import Comparison
+from mismatch_probe.gate.compare import CHANGE_LEVEL, Comparison
 from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, evaluate
 from mismatch_probe.report import turns
 from mismatch_probe.report.integrity import integrity_markdown, runs_markdown
@@ -35,7 +36,7 @@ from mismatch_probe.report.markdown import (
 )
 from mismatch_probe.report.sections import KEY_METRICS
 from mismatch_probe.report.terminal import HIST_WIDTH, _bar, _hist_rows
-from mismatch_probe.rundir.context import Entry, RunContext, WorstToken, setting_names
+from mismatch_probe.rundir.context import Entry, RunContext, WorstToken
 
 COMMENT_LIMIT = 60_000
 COMMENT_OUTLIERS = 5  # outliers listed in a comment (report.md has all of them)
@@ -93,7 +94,7 @@ def worse(key: str, base: float, value: float) -> bool | None:
 SIGNED = frozenset(
     {"kl", "log_ppl_diff", "log_ppl_diff_max", "log_ppl_diff_min", "seq_log_ratio_slope_per_1k"}
 )
-LEVEL = 0.95  # confidence level of the intervals of a change
+LEVEL = CHANGE_LEVEL  # confidence level of the intervals of a change (gate.compare)
 
 
 def change_cell(
@@ -122,28 +123,6 @@ def change_cell(
         return f"{arrow} {amount} within noise, {interval}"
     verdict = "🔴 worse" if direction else "🟢 better"
     return f"{arrow} {amount} {verdict}, {interval}"
-
-
-def change_intervals(
-    runs: Sequence[RunContext], keys: Sequence[str], level: float = LEVEL
-) -> dict[tuple[int, str], tuple[float, float]]:
-    """``(run index, metric) -> interval of run's value - the first run's`` for the metrics the
-    bootstrap covers (``bootstrap.TERMS``) and runs with enough responses: the same paired
-    resampling as ``probe check --baseline``."""
-    from mismatch_probe.gate import bootstrap
-
-    wanted = [k for k in keys if k in bootstrap.TERMS]
-    if not wanted:
-        return {}
-    stats = [bootstrap.sequence_stats(r.run_dir, r.setting) for r in runs]
-    out = {}
-    for i in range(1, len(stats)):
-        pair = [stats[0], stats[i]]
-        for key in wanted:
-            if all(s.usable(key) for s in pair):
-                base, head = bootstrap.replicates(pair, key)
-                out[(i, key)] = bootstrap.interval(head - base, level)
-    return out
 
 
 def clip_token(tok: WorstToken, width: int = CLIP) -> WorstToken:
@@ -245,7 +224,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         from mismatch_probe.report.grid import every_setting_markdown, judge
 
         judged = judge([(e.label, e.metrics) for e in entries])
-        held = len(setting_names(ctx.run_dir, ctx.run.get("settings")))  # a --setting choice?
+        held = len(ctx.settings)  # more than judged: a --setting choice
         top = [("Every setting", every_setting_markdown(judged, ctx.label, "####", of=held))]
         counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
@@ -310,7 +289,7 @@ def comparison_metrics(
     intervals: dict[tuple[int, str], tuple[float, float]] | None = None,
 ) -> list[str]:
     """metric | baseline | (value, change) per later run, for ``keys`` some run has; a change
-    is judged against its interval (``change_intervals``) when there is one."""
+    is judged against its interval (``gate.compare.change_intervals``) when there is one."""
     header = ["metric", *_run_header_cells(labels[:1])]
     for label in labels[1:]:
         header += [escape(label), f"change vs {escape(labels[0])}"]
@@ -356,7 +335,7 @@ def comparison_comment(comparison: Comparison) -> str:
     keys = [k for k, _ in KEY_METRICS]
     if len(pairs) == 1:
         head += [verdict_counts([v.status for v in evaluate(head_ctx.metrics)]), ""]
-        intervals = change_intervals(runs, keys)
+        intervals = pairs[0].intervals
         every = sorted({k for r in runs for k in r.metrics})
         parts = [
             ("Header", head),
@@ -389,7 +368,7 @@ def _matrix_parts(comparison: Comparison, keys: list[str]) -> list[tuple[str, li
     parts = [("Every setting", [*top, ""])]
     for pair in pairs:
         runs, labels = list(pair.runs), [e.label for e in pair.entries]
-        metrics = comparison_metrics(keys, runs, labels, change_intervals(runs, keys))
+        metrics = comparison_metrics(keys, runs, labels, pair.intervals)
         parts.append(
             (
                 f"Key metrics of {pair.setting}",

@@ -116,7 +116,7 @@ def render_comparison(comparison: Comparison, console: Console) -> None:
     from mismatch_probe.report import attribution
 
     labels = [e.label for e in comparison.entries]
-    links = attribution.compare_rows([r.run_dir for r in comparison.runs])
+    links = attribution.compare_rows([r.attribution for r in comparison.runs])
     parts += [attribution.compare_table(labels, links)] if links else []
     console.print(Group(*parts))
 
@@ -180,7 +180,7 @@ def comparison_markdown(
     from mismatch_probe.report import attribution
 
     labels = [e.label for e in comparison.entries]
-    links = attribution.compare_rows([r.run_dir for r in comparison.runs])
+    links = attribution.compare_rows([r.attribution for r in comparison.runs])
     lines += attribution.compare_markdown(labels, links)
     lines += ["## Plots", ""]
     for pair, drawn in zip(pairs, plots, strict=True):

@@ -121,11 +121,14 @@ def all_metrics_section(metrics: dict[str, float]) -> list[str]:
 
 
 def render_markdown(
-    ctx: RunContext, plots: dict[str, tuple[Path, str]], top: list[str] | None = None
+    ctx: RunContext,
+    plots: dict[str, tuple[Path, str]],
+    base: Path,
+    top: list[str] | None = None,
 ) -> str:
-    """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title); the data
-    integrity and the recommendation come first, then ``top`` (every setting of a matrix run
-    judged)."""
+    """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title), linked
+    relative to ``base`` (the report's directory); the data integrity and the recommendation
+    come first, then ``top`` (every setting of a matrix run judged)."""
     from mismatch_probe.report import decisions
 
     title = f"# Mismatch report: {escape(ctx.run.get('model', {}).get('name', ctx.label))}"
@@ -140,7 +143,7 @@ def render_markdown(
     ]
     lines += key_metrics_section(ctx.metrics) + presets_section(ctx)
     lines += decisions.sweep_md(ctx.tables)
-    lines += plots_section(plots, ctx.run_dir) + worst_section(ctx.worst)
+    lines += plots_section(plots, base) + worst_section(ctx.worst)
     lines += decisions.outliers_md(ctx) + decisions.entropy_md(ctx)
     lines += all_metrics_section(ctx.metrics)
     return "\n".join(lines)

@@ -8,7 +8,7 @@ or GUI backend is touched; matplotlib is imported inside the functions (``probe 
 fast).
 
 Everything is drawn from the metrics' curves (bounded size), except the probability scatter of a
-small run (at most ``SCATTER_MAX`` tokens), which reads the token store itself.
+small run (at most ``SCATTER_MAX`` tokens), drawn from the token probabilities its view holds.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mismatch_probe import store
 from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.config import parse_is
 from mismatch_probe.report.sections import visible
-from mismatch_probe.rundir.context import RunContext, read_token_probs
+from mismatch_probe.rundir.context import RunContext
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 FIGSIZE = (6.5, 4.0)
 DPI = 110
-SCATTER_MAX = 20_000
 TAU_TICKS = (1.001, 1.01, 1.1, 2.0, 10.0, 100.0)
 RATIO_TICKS = (0.05, 0.1, 0.2, 0.5, 0.8, 1.0, 1.25, 2.0, 5.0, 10.0, 20.0)
 POSITION_TICKS = tuple(2**k for k in range(16))
@@ -165,9 +164,10 @@ def plot_ratio_hist(fig: Figure, ax: Axes, ctx: RunContext) -> None:
 
 
 def plot_probs(fig: Figure, ax: Axes, ctx: RunContext) -> None:
-    """Scatter of (p_rollout, p_train) for a small run, 2-D density otherwise."""
-    if ctx.metrics.get("num_tokens", 0) <= SCATTER_MAX:
-        probs = read_token_probs(ctx.tokens_path, ctx.setting)
+    """Scatter of (p_rollout, p_train) for a small run (its view holds every token's
+    probabilities: ``SCATTER_MAX``), 2-D density otherwise."""
+    probs = ctx.probs
+    if probs is not None:
         ax.scatter(probs.rollout, probs.train, s=5, alpha=0.35, linewidths=0, label="token")
         flip = probs.flip
         if flip.any():

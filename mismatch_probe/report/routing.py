@@ -1,9 +1,9 @@
 """The MoE-routing part of the reports: the ``report.md`` section, the summary lines and the two
-routing plots, all drawn from ``routing.json`` (``store.ROUTING_METRICS_FILE``, written by the
-routing stage), so ``probe report`` redraws them from the run directory alone.
+routing plots, drawn from the view's ``routing`` (``routing.json``: handed over by the scan's
+finishing step, read back and checked by ``rundir.routing`` for ``probe report``).
 
-``routing.json``: ``{label: {"settings": {mode: setting}, "metrics": RoutingMetrics,
-"replay": ReplayComparison}}`` (``routing/metrics.py``), one entry per rollout/training pair.
+``{label: {"settings": {mode: setting}, "metrics": RoutingMetrics, "replay":
+ReplayComparison}}`` (``routing/metrics.py``), one entry per rollout/training pair.
 """
 
 from __future__ import annotations
@@ -14,49 +14,11 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe import store
-from mismatch_probe.errors import ProbeError
 from mismatch_probe.report.markdown import escape, table
 from mismatch_probe.report.plots import new_figure, save
 
 DISAGREEMENT_PNG = "routing_disagreement.png"
 BY_LAYERS_PNG = "routing_logratio_by_layers.png"
-
-
-def load(run_dir: Path) -> dict[str, Any]:
-    """``routing.json`` of ``run_dir`` ({} for a dense model's run)."""
-    path = run_dir / store.ROUTING_METRICS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        data = store.read_json(path)
-    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        data = None
-    if not _well_formed(data):
-        raise ProbeError(f"{path} is not a routing.json written by probe scan")
-    return dict(data)
-
-
-def _well_formed(data: Any) -> bool:
-    """The shape every renderer below relies on, checked by computing what each one shows
-    (every line of the section, every plotted value) before anything is written."""
-    keys = {"metrics": ("layer_disagreement", "by_differing_layers"), "replay": ("modes",)}
-    shaped = isinstance(data, dict) and all(
-        isinstance(entry, dict)
-        and all(isinstance(entry.get(part), dict) for part in keys)
-        and all(k in entry[part] for part, names in keys.items() for k in names)
-        for entry in data.values()
-    )
-    if not shaped:
-        return False
-    try:
-        summary_lines(data)
-        _sections(data)
-        for entry in data.values():
-            _disagreement_values(entry["metrics"])
-            _by_layers_values(entry["metrics"], entry["replay"])
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
-        return False
-    return True
 
 
 def summary_lines(data: dict[str, Any]) -> list[str]:
@@ -75,17 +37,16 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def routing_markdown(run_dir: Path) -> str:
-    """``## MoE routing``: per-layer disagreement, the mismatch split, replay modes, plots."""
-    data = load(run_dir)
+def routing_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
+    """``## MoE routing``: per-layer disagreement, the mismatch split, replay modes, and the
+    ``plots`` written (``write_routing_plots``)."""
     if not data:
         return ""
     lines = ["## MoE routing (engine vs trainer)", ""]
     lines += [f"- {escape(line)}" for line in summary_lines(data)] + [""]
     lines += _sections(data)
-    for name in (DISAGREEMENT_PNG, BY_LAYERS_PNG):
-        if (run_dir / store.PLOTS_DIR / name).is_file():
-            lines += [f"![{name}]({store.PLOTS_DIR}/{name})", ""]
+    for path in plots.values():
+        lines += [f"![{path.name}]({store.PLOTS_DIR}/{path.name})", ""]
     return "\n".join(lines)
 
 
@@ -121,11 +82,10 @@ def _num(value: float | None) -> str:
     return "—" if value is None else f"{value:.4g}"
 
 
-def write_routing_plots(run_dir: Path) -> dict[str, Path]:
-    """The two routing plots of the first rollout/training pair of ``routing.json``; a dense
-    run's directory loses any routing plots an earlier MoE run left there."""
-    plots = run_dir / store.PLOTS_DIR
-    data = load(run_dir)
+def write_routing_plots(data: dict[str, Any], plots: Path) -> dict[str, Path]:
+    """The two routing plots of the first rollout/training pair of ``data`` (``routing.json``)
+    in ``plots``; a dense run's directory loses any routing plots an earlier MoE run left
+    there."""
     if not data:
         for name in (DISAGREEMENT_PNG, BY_LAYERS_PNG):
             (plots / name).unlink(missing_ok=True)

@@ -70,13 +70,13 @@ def settings_top_markdown(entries: list[Entry], reference: str, of: int | None =
     return every_setting_markdown(judged(entries), reference, of=of)
 
 
-def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
+def settings_markdown(entries: list[Entry], out_dir: Path) -> str:
     """A ``## Precision settings`` section: the recommendations, the overlaid plots and k3 per
     setting (the settings' table is at the top of the report)."""
     from mismatch_probe.report.decisions import settings_recommendations_md
     from mismatch_probe.report.plots import write_k3_by_setting
 
-    plots = overlay_plots(entries, run_dir / store.PLOTS_DIR / "settings", what="settings")
+    plots = overlay_plots(entries, out_dir / store.PLOTS_DIR / "settings", what="settings")
     lines = [
         f"## Precision settings overlaid ({len(entries)} settings)",
         "",
@@ -84,7 +84,7 @@ def settings_markdown(entries: list[Entry], run_dir: Path) -> str:
         "",
     ]
     lines += settings_recommendations_md(entries)
-    k3_plot = write_k3_by_setting(entries, run_dir / store.PLOTS_DIR / "settings" / K3_PLOT)
+    k3_plot = write_k3_by_setting(entries, out_dir / store.PLOTS_DIR / "settings" / K3_PLOT)
     for path, title in [*plots.values(), k3_plot]:
-        lines += [f"![{escape(title)}]({path.relative_to(run_dir).as_posix()})", ""]
+        lines += [f"![{escape(title)}]({path.relative_to(out_dir).as_posix()})", ""]
     return "\n".join(lines)

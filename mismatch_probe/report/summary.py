@@ -18,8 +18,9 @@ from rich.text import Text
 from mismatch_probe import store
 from mismatch_probe.report import attribution
 from mismatch_probe.report.grid import TERMINAL_STYLE, grid_table, headline, judge
-from mismatch_probe.report.routing import load, summary_lines
+from mismatch_probe.report.routing import summary_lines
 from mismatch_probe.report.sections import fmt, visible
+from mismatch_probe.rundir.context import RunContext
 
 
 class ScanOutcome(Protocol):
@@ -30,6 +31,7 @@ class ScanOutcome(Protocol):
     run: dict[str, Any]  # run.json
     settings: dict[str, dict[str, float]]  # setting name -> flat metrics
     skipped: dict[str, str]  # rollout setting name -> reason
+    report: RunContext  # the reference setting's view (its routing and attribution numbers)
 
 
 # (metric key, column header, format) in display order; None: the reports' own format
@@ -87,9 +89,9 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
             f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
             highlight=False,
         )
-    for line in summary_lines(load(result.out_dir)):
+    for line in summary_lines(result.report.routing):
         console.print(Text(visible(line)), highlight=False)
-    attribution.render(result.out_dir, console)
+    attribution.render(result.report.attribution, console)
     console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
         if not name.startswith("plot_"):

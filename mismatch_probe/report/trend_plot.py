@@ -8,30 +8,28 @@ report's trend section with its plot) lives here."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from mismatch_probe import store
 from mismatch_probe.report.plots import DPI
 from mismatch_probe.report.trend_table import label, render_markdown
-from mismatch_probe.rundir.trend import Trend, load_trend, threshold_of
+from mismatch_probe.rundir.context import RunContext
+from mismatch_probe.rundir.trend import Trend, threshold_of
 
 PLOT_NAME = "trend"
 FIGSIZE = (7.5, 6.0)
 OFFSET = {"token_mult_prob_error": 1.0}  # drawn as value - 1 (1.0 is identity) on a log axis
 
 
-def write_trend(ctx: Any) -> tuple[str, Path | None]:
-    """The trend section of a loaded run (``report.RunContext``) and its plot; ``("", None)``
-    for a run without steps."""
-    trend = load_trend(ctx.run_dir, ctx.run, ctx.config)
-    if trend is None:
+def write_trend(ctx: RunContext, plots_dir: Path, base: Path) -> tuple[str, Path | None]:
+    """The trend section of a run's view (``ctx.trend``) with its plot written into
+    ``plots_dir`` (linked relative to ``base``); ``("", None)`` for a run without steps."""
+    if ctx.trend is None:
         return "", None
-    plot_dir = ctx.run_dir / "plots"
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    plot = write_trend_plot(trend, plot_dir / f"{PLOT_NAME}.png", ctx.label)
-    return render_markdown(trend, plot, ctx.run_dir), plot
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    plot = write_trend_plot(ctx.trend, plots_dir / f"{PLOT_NAME}.png", ctx.label)
+    return render_markdown(ctx.trend, plot, base), plot
 
 
 def write_trend_plot(trend: Trend, path: Path, subtitle: str) -> Path:

@@ -29,11 +29,11 @@ def trend_markdown(view: TrendRun, plot: Path | None) -> str:
 
 def write_trend_run(out: Path, run: dict[str, Any], steps: dict[int, dict[str, float]]) -> None:
     """``run.json``, ``steps.json``, ``report.md`` and ``plots/trend.png`` into ``out``."""
-    from mismatch_probe.rundir.trend import write_steps
+    from mismatch_probe.rundir.trend import Steps, write_steps
 
     out.mkdir(parents=True, exist_ok=True)
     store.write_json(out / store.RUN_FILE, run)
-    write_steps(out, steps, CONFIG)
+    write_steps(out, Steps(CONFIG, steps))
     write_trend_report(load_trend_run(out))
 
 

@@ -2,7 +2,8 @@
 ``plots/turns.png`` and the re-render drift with its first difference in context.
 
 The numbers are ``metrics.json``'s ``per_turn`` rows and the flat ``rerender_*`` metrics
-(``metrics.turns``); the example difference is read from the sequences store. A run whose
+(``metrics.turns``); the example difference is the view's (``rundir`` reads it from the
+sequences store). A run whose
 trajectories all have one turn (every single-turn scan) gets none of this.
 """
 
@@ -13,7 +14,6 @@ from typing import Any
 
 from rich.table import Table
 
-from mismatch_probe.metrics.turns import rerender_example
 from mismatch_probe.report.markdown import escape, table
 from mismatch_probe.rundir.context import RunContext
 
@@ -66,7 +66,7 @@ def drift_lines(ctx: RunContext) -> list[str]:
         f"**{m['rerender_token_fraction']:.2%}** (`rerender_token_fraction`).",
         "",
     ]
-    example = rerender_example(ctx.tokens_path, ctx.setting)
+    example = ctx.drift_example
     if example:
         lines += [f"First difference of an example trajectory: {escape(clip(example))}", ""]
     return lines
@@ -82,7 +82,7 @@ def drift_text(ctx: RunContext) -> list[str]:
         f"{m['rerender_token_fraction']:.2%} of generated tokens differ when the chat template "
         "re-renders the final conversation"
     ]
-    example = rerender_example(ctx.tokens_path, ctx.setting)
+    example = ctx.drift_example
     return lines + ([f"  first difference: {clip(example)}"] if example else [])
 
 

@@ -1,11 +1,15 @@
-"""A run directory, loaded once for every report: metadata, metrics, curves, worst tokens.
+"""The view of one run (one setting) every report is handed, and how it is built.
 
-``load_run`` reads ``run.json`` and ``metrics.json`` and goes back to the Parquet files only for
-what the stored metrics do not hold: the worst tokens' text in context, and the raw token
-probabilities of a small run for the scatter plot. The metrics are recomputed from
-``tokens.parquet`` (``compute_metrics``) when ``metrics.json`` is missing, unreadable, or was
-computed with another ``MetricsConfig`` than the one asked for. No model or tokenizer is needed:
-the scan stored each token's text.
+``RunContext`` is everything a report shows of a run: metadata, metrics, curves, worst tokens
+and outliers in context, the data-integrity findings, the MoE routing and attribution numbers,
+an ingested run's trend. ``build_run`` makes it from the run's data files as its producer holds
+them (``data.RunData``: the scan's finishing step, an ingest) or as ``data.read_data`` reads them
+back (``load_run``), and goes to the Parquet files only for what the data files do not hold: the
+worst tokens' text in context, their causes, the raw token probabilities of a small run for the
+scatter plot, a multi-turn run's re-render example. The metrics are recomputed from
+``tokens.parquet`` (``compute_metrics``) when neither the producer nor ``metrics.json`` has them
+for the ``MetricsConfig`` asked for (a missing, unreadable or foreign ``metrics.json`` included).
+No model or tokenizer is needed: the scan stored each token's text.
 
 Sign convention: ``r = train_logprob - rollout_logprob``.
 """
@@ -25,6 +29,9 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
 from mismatch_probe.metrics.integrity import Integrity
 from mismatch_probe.metrics.stream import STRUCTURED_KEYS, flat_part
+from mismatch_probe.rundir.attribution import order_attribution
+from mismatch_probe.rundir.data import RunData, read_data
+from mismatch_probe.rundir.trend import Steps, Trend
 
 CONTEXT_BEFORE = 6  # tokens of context shown before a worst token
 CONTEXT_AFTER = 4  # ... and after it
@@ -33,6 +40,7 @@ CAUSES = {True: "support flip", False: "numeric drift", None: "unknown"}
 CURVES = ("f_tau", "log_ratio_hist", "position_bins", "prob_hist2d", "rollout_prob_bins",
           "seq_log_ratio_vs_length", "worst_tokens", "seq_weight_hist", "entropy")  # fmt: skip
 TABLES = ("threshold_sweep", "outliers")  # ... and these lists of records (spec section 7)
+SCATTER_MAX = 20_000  # a run of at most this many tokens gets each token's probabilities
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,14 @@ class OutlierToken:
     after: str
 
 
+class TokenProbs(NamedTuple):
+    """``[N]`` arrays of one run's valid tokens: probabilities and support-flip flags."""
+
+    rollout: np.ndarray
+    train: np.ndarray
+    flip: np.ndarray
+
+
 @dataclass(frozen=True)
 class Entry:
     """One column of a comparison: a run, or one setting of a run."""
@@ -96,6 +112,15 @@ class RunContext:
         tables: what spec section 7 stores beside the flat metrics: ``threshold_sweep``,
             ``outliers`` (each with its re-scan ``command``) and ``recommendation``.
         outliers: the outlier records with their worst token in context.
+        per_turn: ``metrics.json``'s ``per_turn`` rows (``metrics.turns``).
+        settings: every setting the store holds, in the scan's order (the first is the one
+            ``metrics.json`` holds); () for a store without a ``setting`` column.
+        probs: every token's probabilities, for a run of at most ``SCATTER_MAX`` tokens.
+        drift_example: a multi-turn run's first re-render difference ("" if none).
+        routing: ``routing.json`` ({} for a dense model's run).
+        attribution: setting -> links (``--attribute``; {} without).
+        trend: an ingested run's key metrics against training step (None without steps).
+        steps: the per-step metrics the trend was made from (``steps.json``).
     """
 
     run_dir: Path
@@ -108,11 +133,14 @@ class RunContext:
     integrity: Integrity | None = None
     tables: dict[str, Any] = field(default_factory=dict)
     outliers: tuple[OutlierToken, ...] = ()
-    per_turn: tuple[dict[str, Any], ...] = ()  # metrics.json ``per_turn`` (metrics.turns)
-
-    @property
-    def tokens_path(self) -> Path:
-        return store.resolve_tokens_path(self.run_dir)
+    per_turn: tuple[dict[str, Any], ...] = ()
+    settings: tuple[str, ...] = ()
+    probs: TokenProbs | None = None
+    drift_example: str = ""
+    routing: dict[str, Any] = field(default_factory=dict)
+    attribution: dict[str, Any] = field(default_factory=dict)
+    trend: Trend | None = None
+    steps: Steps | None = None
 
     @property
     def label(self) -> str:
@@ -128,14 +156,10 @@ class RunContext:
 
 
 def load_run(
-    run_dir: Path,
-    metrics_config: MetricsConfig | None = None,
-    setting: str | None = None,
-    data: dict[str, Any] | None = None,
-    run: dict[str, Any] | None = None,
-    integrity_errors: Sequence[str] = (),
+    run_dir: Path, metrics_config: MetricsConfig | None = None, setting: str | None = None
 ) -> RunContext:
-    """Load a run directory written by ``probe scan``.
+    """Read one setting of a run directory written by ``probe scan`` or ``probe ingest``: its
+    data files (``data.read_data``), then ``build_run``.
 
     Args:
         run_dir: directory holding ``tokens.parquet`` (and usually ``run.json``,
@@ -144,12 +168,35 @@ def load_run(
             None reuses ``metrics.json`` (default config when it is missing).
         setting: only the rows of this setting, metrics always recomputed (``metrics.json``
             covers one setting of a store that holds several).
-        data: the metrics (``MetricsResult.to_json_dict()``) when the caller has computed them
-            already with ``metrics_config`` (default config when None): nothing is recomputed.
-        run: the run metadata when the caller has it (a scan finishing): ``run.json`` is not
-            read (an earlier run's may still be there).
+
+    Raises:
+        ProbeError: not a run directory, or an unreadable token store or run metadata.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ProbeError(f"{run_dir} is not a run directory")
+    return build_run(run_dir, read_data(run_dir, report=False), metrics_config, setting)
+
+
+def build_run(
+    run_dir: Path,
+    data: RunData,
+    metrics_config: MetricsConfig | None = None,
+    setting: str | None = None,
+    integrity_errors: Sequence[str] = (),
+    names: Sequence[str] | None = None,
+) -> RunContext:
+    """The view of one setting of ``run_dir`` from its data files ``data`` (see the module
+    docstring for what is read from the store).
+
+    Args:
+        data: what the producer holds in memory, or what ``read_data`` read back.
+        metrics_config: the metrics' config; ``data.metrics`` computed with another one (or a
+            ``metrics.json`` that was) are computed again. None: whatever they were computed with.
+        setting: only the rows of this setting (None: the whole store).
         integrity_errors: names of the integrity checks that found an error (the
             recommendation then says to investigate first).
+        names: the settings of the store (``setting_names``) when the caller has them.
 
     Raises:
         ProbeError: not a run directory, or an unreadable token store.
@@ -159,24 +206,73 @@ def load_run(
         raise ProbeError(f"{run_dir} is not a run directory")
     tokens = store.resolve_tokens_path(run_dir)
     store.open_parquet(tokens)
-    if data is None or (metrics_config is not None and data["config"] != metrics_config.describe()):
-        data = _metrics_data(run_dir, metrics_config, setting)
-    flat = flat_part(data)
-    curves = data["curves"]
-    run = _run_metadata(run_dir) if run is None else run
-    tables = decision_tables(run, data, integrity_errors)
+    names = setting_names(run_dir, data.order) if names is None else list(names)
+    metrics = _metrics_of(run_dir, data, metrics_config, setting, names)
+    flat, curves, run = flat_part(metrics), metrics["curves"], data.run
+    tables = decision_tables(run, metrics, integrity_errors)
+    found = data.attribution if data.attribution is not None else _attribution(tokens)
     return RunContext(
         run_dir=run_dir,
         run=run,
         metrics=flat,
-        config=data["config"],
+        config=metrics["config"],
         curves=curves,
         worst=_with_causes(run_dir, setting, worst_tokens(tokens, curves.get("worst_tokens", []))),
         setting=setting,
         tables=tables,
         outliers=tuple(outlier_tokens(tokens, tables["outliers"])),
-        per_turn=tuple(data.get("per_turn") or ()),
+        per_turn=tuple(metrics.get("per_turn") or ()),
+        settings=tuple(names),
+        probs=read_token_probs(tokens, setting) if _small(flat) else None,
+        drift_example=_rerender_example(tokens, setting, flat),
+        routing=data.routing,
+        attribution=order_attribution(found, _recorded_settings(run)),
     )
+
+
+def _metrics_of(
+    run_dir: Path,
+    data: RunData,
+    config: MetricsConfig | None,
+    setting: str | None,
+    names: Sequence[str],
+) -> dict[str, Any]:
+    """The producer's metrics of ``setting`` when computed with ``config`` (None: the whole
+    store, which for a store of one setting are that setting's), else ``metrics.json``'s or
+    computed (``_metrics_data``)."""
+    given = data.metrics.get(setting)
+    if given is None and setting is None and len(names) == 1:
+        given = data.metrics.get(names[0])
+    if given is None or (config is not None and given["config"] != config.describe()):
+        return _metrics_data(run_dir, config, setting)
+    return given
+
+
+def _attribution(tokens: Path) -> dict[str, Any]:
+    """Attribution computed from the store ({} without rung columns): a run whose
+    ``attribution.json`` is missing or corrupt."""
+    from mismatch_probe.metrics.attribution import compute_attribution
+
+    return compute_attribution(tokens)
+
+
+def _rerender_example(tokens: Path, setting: str | None, flat: dict[str, float]) -> str:
+    """A multi-turn run's first re-render difference ("" for a run without the drift)."""
+    if "rerender_trajectory_fraction" not in flat:
+        return ""
+    from mismatch_probe.metrics.turns import rerender_example
+
+    return rerender_example(tokens, setting) or ""
+
+
+def _small(flat: dict[str, float]) -> bool:
+    """A run small enough for every token's probability in a scatter plot."""
+    return flat.get("num_tokens", 0) <= SCATTER_MAX
+
+
+def _recorded_settings(run: dict[str, Any]) -> list[str]:
+    names = run.get("settings")
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def _with_causes(
@@ -205,16 +301,6 @@ def decision_tables(
     outliers = [{**o, "command": rescan_command(run, o)} for o in data.get("outliers", [])]
     found = recommend(flat_part(data), data["config"], sweep, integrity_errors)
     return {"threshold_sweep": sweep, "outliers": outliers, "recommendation": found.to_dict()}
-
-
-def _run_metadata(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / store.RUN_FILE
-    if path.exists():
-        try:
-            return dict(store.read_json(path))
-        except (OSError, TypeError, ValueError):
-            raise ProbeError(f"{path} is not valid JSON of finite numbers") from None
-    return store.read_run_metadata(store.resolve_tokens_path(run_dir))
 
 
 def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
@@ -303,14 +389,6 @@ def worst_tokens(path: Path, records: list[dict[str, Any]]) -> list[WorstToken]:
             )
         )
     return out
-
-
-class TokenProbs(NamedTuple):
-    """``[N]`` arrays of one run's valid tokens: probabilities and support-flip flags."""
-
-    rollout: np.ndarray
-    train: np.ndarray
-    flip: np.ndarray
 
 
 def read_token_probs(path: Path, setting: str | None = None) -> TokenProbs:

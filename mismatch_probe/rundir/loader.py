@@ -1,64 +1,48 @@
-"""What a report shows, loaded once: the reference setting's ``RunContext`` and, for a
-precision-matrix run, one ``Entry`` per setting (``load_report``); which settings a report, a
-check or a comparison covers (``select_settings``); each setting's entry (``setting_entries``).
+"""What a report shows, built once: the reference setting's ``RunContext`` and, for a
+precision-matrix run, one ``Entry`` per setting (``build_report``, from the data files as their
+producer holds them; ``load_report``, from a run directory); which settings a report, a check or
+a comparison covers (``select_settings``); each setting's entry (``setting_entries``).
 
 Sign convention: ``r = train_logprob - rollout_logprob``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.rundir.context import (
     Entry,
     RunContext,
-    _run_metadata,
+    build_run,
     decision_tables,
-    load_run,
     setting_names,
 )
+from mismatch_probe.rundir.data import RunData, read_data
+from mismatch_probe.rundir.integrity import run_integrity
+from mismatch_probe.rundir.trend import build_trend, steps_of
 
 if TYPE_CHECKING:
     from mismatch_probe.metrics import MetricsConfig
-    from mismatch_probe.metrics.integrity import Integrity
 
 
 def load_report(
     run_dir: Path,
     metrics_config: MetricsConfig | None = None,
-    computed: Mapping[str, dict[str, Any]] | None = None,
-    run: dict[str, Any] | None = None,
-    order: list[str] | None = None,
     settings: tuple[str, ...] = (),
     integrity_errors: Sequence[str] = (),
-    integrity: Integrity | None = None,
 ) -> tuple[RunContext, list[Entry]]:
-    """Load what a report shows: the run (its reference setting when the store holds several)
-    and, for a precision-matrix run, one ``Entry`` per setting (least mismatch first).
+    """``probe report``: read the run directory's data files once (``data.read_data``) and
+    build what a report shows (``build_report``).
 
-    Args:
-        computed: setting name -> ``MetricsResult.to_json_dict()`` the caller already has (the
-            scan's, default config): used instead of computing them again.
-        run: the run metadata, when the caller has it in memory (the scan's finishing step,
-            before it writes ``run.json``): nothing is read from a ``run.json`` on disk, which
-            may be an earlier run's.
-        order: the settings in the scan's order (first = the reference), with ``run``.
-        settings: only these settings of a matrix run (``--setting``); the first of them in
-            the scan's order is the reference. () means every setting.
-        integrity_errors: integrity checks known to have found an error beside the run's own
-            (the run's store is checked here; its errors turn the recommendation into
-            "investigate first").
-        integrity: the run's findings, when the caller computed them from this store in the
-            same pass as its metrics (``probe ingest``); None: computed here.
+    Raises:
+        ProbeError: a file instead of a run directory, a missing directory, an unknown
+            ``--setting``, an unreadable store or data file.
     """
-    from dataclasses import replace
-
-    from mismatch_probe.rundir.integrity import run_integrity
-
     run_dir = Path(run_dir)
     if run_dir.is_file():
         raise ProbeError(
@@ -67,17 +51,42 @@ def load_report(
         )
     if not run_dir.is_dir():
         raise ProbeError(f"{run_dir} is not a run directory")
-    names = setting_names(run_dir, order)
-    chosen = select_settings(run_dir, settings, order)
-    reference = chosen[0]
-    given = dict(computed or {})
-    first = given.get(reference or names[0]) if names else None
+    return build_report(run_dir, read_data(run_dir), metrics_config, settings, integrity_errors)
+
+
+def build_report(
+    run_dir: Path,
+    data: RunData,
+    metrics_config: MetricsConfig | None = None,
+    settings: tuple[str, ...] = (),
+    integrity_errors: Sequence[str] = (),
+) -> tuple[RunContext, list[Entry]]:
+    """What a report shows: the run (its reference setting when the store holds several), with
+    its data-integrity findings and, for an ingested run, its trend; and, for a precision-matrix
+    run, one ``Entry`` per setting (least mismatch first).
+
+    Args:
+        data: the run's data files, as the producer holds them in memory (the scan's finishing
+            step, before it writes ``run.json``: nothing is read from an earlier run's files) or
+            as ``read_data`` read them.
+        metrics_config: the config of the metrics shown (None: the stored or given ones').
+        settings: only these settings of a matrix run (``--setting``); the first of them in
+            the scan's order is the reference. () means every setting.
+        integrity_errors: integrity checks known to have found an error beside the run's own
+            (the run's store is checked here; its errors turn the recommendation into
+            "investigate first").
+    """
+    names = setting_names(run_dir, data.order)
+    chosen = select_settings(run_dir, settings, data.order)
+    integrity = data.integrity  # the producer's, from this store in its metrics pass
     if integrity is None:
-        integrity = run_integrity(run_dir, run)  # recomputed from the store
+        integrity = run_integrity(run_dir, data.run)  # recomputed from the store
     errors = list(dict.fromkeys([*integrity_errors, *integrity.error_checks()]))
-    ctx = load_run(run_dir, metrics_config, reference, first, run, errors)
-    ctx = replace(ctx, integrity=integrity)
-    entries = setting_entries(run_dir, metrics_config, given, names, errors, ctx.run)
+    ctx = build_run(run_dir, data, metrics_config, chosen[0], errors, names)
+    steps = steps_of(store.resolve_tokens_path(run_dir), data.steps, ctx.config)
+    trend = build_trend(steps.per_step, ctx.run) if steps is not None else None
+    ctx = replace(ctx, integrity=integrity, steps=steps, trend=trend)
+    entries = setting_entries(run_dir, data, metrics_config, names, errors)
     if settings and len(names) > 1:
         entries = [e for e in entries if e.label in chosen]
     return ctx, entries
@@ -111,62 +120,34 @@ def select_settings(
 
 def setting_entries(
     run_dir: Path,
-    metrics_config: Any = None,
-    computed: dict[str, dict[str, Any]] | None = None,
+    data: RunData,
+    metrics_config: MetricsConfig | None = None,
     names: list[str] | None = None,
     integrity_errors: Sequence[str] = (),
-    run: dict[str, Any] | None = None,
 ) -> list[Entry]:
-    """One ``Entry`` per setting, least ``k3_kl`` first; [] for a single-setting run.
+    """One ``Entry`` per setting, least ``k3_kl`` first, with its rollout throughput
+    (``data.throughput``); [] for a single-setting run.
 
-    ``computed``: setting name -> metrics already computed with ``metrics_config`` (default
-    config when None), reused instead of recomputed. ``names``: the settings (``setting_names``)
-    when the caller has them. Each entry's ``tables`` hold its threshold sweep, outliers and
-    recommendation (``context.decision_tables``; ``run``: the run metadata when the caller has
-    it in memory, else the run's own)."""
+    ``data.metrics`` computed with ``metrics_config`` (default config when None) are reused,
+    the others computed from the store. ``names``: the settings (``setting_names``) when the
+    caller has them. Each entry's ``tables`` hold its threshold sweep, outliers and
+    recommendation (``context.decision_tables``)."""
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
     from mismatch_probe.metrics.stream import flat_part
 
-    names = setting_names(run_dir) if names is None else names
+    names = setting_names(run_dir, data.order) if names is None else names
     if len(names) < 2:
         return []
-    speed = throughput(run_dir)
-    run = _run_metadata(run_dir) if run is None else run
     cfg = metrics_config or MetricsConfig()
     entries = []
     for name in names:
-        data = (computed or {}).get(name)
-        if data is None or data["config"] != cfg.describe():
+        metrics = data.metrics.get(name)
+        if metrics is None or metrics["config"] != cfg.describe():
             tokens = store.resolve_tokens_path(run_dir)
-            data = compute_metrics(tokens, cfg, setting=name).to_json_dict()
-        flat = flat_part(data)
-        if name in speed:
-            flat["rollout_tokens_per_s"] = speed[name]
-        tables = decision_tables(run, data, integrity_errors)
-        entries.append(Entry(name, flat, data["curves"], tables))
+            metrics = compute_metrics(tokens, cfg, setting=name).to_json_dict()
+        flat = flat_part(metrics)
+        if name in data.throughput:
+            flat["rollout_tokens_per_s"] = data.throughput[name]
+        tables = decision_tables(data.run, metrics, integrity_errors)
+        entries.append(Entry(name, flat, metrics["curves"], tables))
     return sorted(entries, key=lambda e: e.metrics["k3_kl"])
-
-
-def throughput(run_dir: Path) -> dict[str, float]:
-    """Each setting's rollout tokens/s from ``settings.json``; a missing, corrupt or
-    non-finite value is left out (never copied into a report)."""
-    data = _read(run_dir / store.SETTINGS_FILE)
-    settings = data.get("settings") if isinstance(data, dict) else None
-    if not isinstance(settings, dict):
-        return {}
-    speeds = {
-        name: m.get("rollout_tokens_per_s") for name, m in settings.items() if isinstance(m, dict)
-    }
-    return {
-        name: float(v)
-        for name, v in speeds.items()
-        if isinstance(v, int | float) and not isinstance(v, bool)
-    }
-
-
-def _read(path: Path) -> Any:
-    """A JSON file of the run (strict: no NaN or infinity), None when missing or corrupt."""
-    try:
-        return store.read_json(path)
-    except (OSError, ValueError):
-        return None

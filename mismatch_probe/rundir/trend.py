@@ -1,7 +1,8 @@
 """The trend of an ingested run: key metrics against training step.
 
-``load_trend`` reads ``steps.json`` (written by ``probe ingest``; recomputed from
-``tokens.parquet`` when missing or computed with another metrics config). The trend holds
+``steps_of`` gives the per-step metrics (``Steps``: ``steps.json``, written by ``probe ingest``,
+recomputed from ``tokens.parquet`` when missing or computed with another metrics config);
+``build_trend`` makes the ``Trend`` a report shows of them. The trend holds
 ``TREND_METRICS`` (those the metric engine computed) and every preset's token masked fraction
 that is not zero throughout. Steps where a metric fails its verdict threshold are marked, and
 the steps where it *crosses* (fails after passing, or fails at the first step) are listed. A note
@@ -14,7 +15,6 @@ Plain functions over data; the section's table and plot are ``report.trend_table
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,31 +62,58 @@ class Trend:
     rewritten: str = ""
 
 
-def read_steps(run_dir: Path, config: dict[str, Any] | None) -> dict[int, dict[str, float]]:
-    """``steps.json`` when it matches ``config`` (None: any), else recomputed and rewritten
-    ({} without a ``step`` column)."""
-    from mismatch_probe.metrics import MetricsConfig
+@dataclass(frozen=True)
+class Steps:
+    """Per-step flat metrics of an ingested run and the config they were computed with.
+
+    Attributes:
+        config: the ``MetricsConfig.describe()`` of the metrics.
+        per_step: ``{step: {metric: value}}``, steps ascending.
+        stored: True when they are what ``steps.json`` holds (nothing to write again).
+    """
+
+    config: dict[str, Any]
+    per_step: dict[int, dict[str, float]]
+    stored: bool = False
+
+
+def read_steps(run_dir: Path) -> Steps | None:
+    """``steps.json`` as ``write_steps`` wrote it (through the NaN-refusing reader), or None
+    when it is missing or of another shape."""
+    try:
+        data = store.read_json(Path(run_dir) / store.STEPS_FILE)
+        per_step = {int(s): dict(m) for s, m in data["steps"].items()}
+        config = data["config"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    numbers = all(
+        isinstance(v, int | float) and not isinstance(v, bool)
+        for m in per_step.values()
+        for v in m.values()
+    )
+    return Steps(config, dict(sorted(per_step.items())), stored=True) if numbers else None
+
+
+def steps_of(tokens: Path, stored: Steps | None, config: dict[str, Any]) -> Steps | None:
+    """The per-step metrics of the store ``tokens`` computed with ``config``
+    (``MetricsConfig.describe()``): ``stored`` when it was computed with it, else computed
+    again; None for a store without a ``step`` column."""
     from mismatch_probe.metrics.steps import compute_step_metrics, list_steps
 
-    if not list_steps(store.resolve_tokens_path(run_dir)):
-        return {}
-    path = run_dir / store.STEPS_FILE
-    try:
-        data = json.loads(path.read_text())
-        if config is None or data["config"] == config:
-            return {int(s): m for s, m in data["steps"].items()}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    cfg = _config_from(config) if config is not None else MetricsConfig()
-    steps = compute_step_metrics(store.resolve_tokens_path(run_dir), cfg)
-    write_steps(run_dir, steps, cfg.describe())
-    return steps
+    if not list_steps(tokens):
+        return None
+    if stored is not None and stored.config == config:
+        return stored
+    cfg = _config_from(config)
+    return Steps(cfg.describe(), compute_step_metrics(tokens, cfg))
 
 
-def write_steps(run_dir: Path, steps: dict[int, dict[str, float]], config: dict) -> None:
+def write_steps(out_dir: Path, steps: Steps) -> Path:
     """``steps.json``: ``{"config": ..., "steps": {"<step>": {metric: value}}}``."""
-    data = {"config": config, "steps": {str(s): m for s, m in steps.items()}}
-    store.write_json(run_dir / store.STEPS_FILE, data)
+    data = {"config": steps.config, "steps": {str(s): m for s, m in steps.per_step.items()}}
+    path = Path(out_dir) / store.STEPS_FILE
+    store.write_json(path, data)
+    return path
 
 
 def _config_from(described: dict[str, Any]) -> Any:
@@ -128,10 +155,6 @@ def build_trend(per_step: dict[int, dict[str, float]], run: dict[str, Any]) -> T
             s for i, s in enumerate(steps) if fails[i] and (i == 0 or not fails[i - 1])
         ]
     return Trend(steps, series, failing, crossings, staleness_note(run), rewrite_note(run))
-
-
-def load_trend(run_dir: Path, run: dict[str, Any], config: dict[str, Any] | None) -> Trend | None:
-    return build_trend(read_steps(run_dir, config), run)
 
 
 def staleness_note(run: dict[str, Any]) -> str:
@@ -183,8 +206,7 @@ def step_metrics(run_dir: Path, step: str) -> dict[str, float]:
 
         raise ProbeError(f"{run_dir} is not a run directory")
     number = resolve_step(store.resolve_tokens_path(run_dir), step)
-    try:
-        data = json.loads((run_dir / store.STEPS_FILE).read_text())
-        return {k: float(v) for k, v in data["steps"][str(number)].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return compute_metrics(store.resolve_tokens_path(run_dir), step=number).flat()
+    stored = read_steps(run_dir)
+    if stored is not None and number in stored.per_step:
+        return {k: float(v) for k, v in stored.per_step[number].items()}
+    return compute_metrics(store.resolve_tokens_path(run_dir), step=number).flat()

@@ -277,6 +277,13 @@ def atomic(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def move_into_place(done: Path, path: Path) -> None:
+    """Rename ``done``, a file completely written under a hidden temporary name (a writer's
+    own temporary directory), to ``path`` on the same file system: a reader sees the old file
+    or the new one, never half of either."""
+    os.replace(done, path)
+
+
 @contextmanager
 def atomic_files(folder: Path) -> Iterator[Path]:
     """``atomic`` for several files written by one call (``save_pretrained``): yield a hidden
@@ -445,6 +452,14 @@ def write_text(path: Path, text: str) -> None:
     """Write a text file atomically (``atomic``)."""
     with atomic(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def mark_done(table_dir: Path, shard: int, info: dict[str, Any]) -> None:
+    """Write a sharded table's ``_SUCCESS`` marker of ``shard`` (``dataset``; atomically)."""
+    from mismatch_probe.store.dataset import MARKER, shard_dir
+
+    text = json.dumps(info, sort_keys=True, default=str) + "\n"
+    write_text(shard_dir(table_dir, shard) / MARKER, text)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

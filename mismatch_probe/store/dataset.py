@@ -15,7 +15,8 @@ Names starting with ``.`` or ``_`` are skipped by every Parquet dataset reader (
 DuckDB), so temporary parts and markers never look like data.
 
 Readers take a file or such a directory alike: ``part_files`` lists the parts in shard order.
-This module knows only file names; ``store`` reads and writes the tables.
+This module knows only file names; ``store`` reads and writes the tables and the markers
+(``store.mark_done``).
 """
 
 from __future__ import annotations
@@ -42,14 +43,6 @@ def part_path(table_dir: Path, shard: int) -> Path:
     folder = shard_dir(table_dir, shard)
     folder.mkdir(parents=True, exist_ok=True)
     return folder / PART
-
-
-def mark_done(table_dir: Path, shard: int, info: dict[str, Any]) -> None:
-    """Write the shard's ``_SUCCESS`` marker (atomically: ``store.write_text``)."""
-    from mismatch_probe.store import write_text
-
-    text = json.dumps(info, sort_keys=True, default=str) + "\n"
-    write_text(shard_dir(table_dir, shard) / MARKER, text)
 
 
 def shards(table_dir: Path) -> dict[int, Path]:

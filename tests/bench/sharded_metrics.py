@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from mismatch_probe import store
 from mismatch_probe.store import dataset
 from tests.bench.metrics import _in_child, write_synthetic_store
 
@@ -35,7 +36,7 @@ def split_store(path: Path, table_dir: Path, parts: int) -> None:
         with pq.ParquetWriter(part, pf.schema_arrow, compression="zstd") as writer:
             for i in chosen:
                 writer.write_table(pf.read_row_group(i))
-        dataset.mark_done(table_dir, k, {"row_groups": len(chosen)})
+        store.mark_done(table_dir, k, {"row_groups": len(chosen)})
 
 
 def _max_rel_diff(a: dict[str, float], b: dict[str, float]) -> float:
