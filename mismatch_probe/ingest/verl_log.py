@@ -94,8 +94,9 @@ def read_log(path: Path, steps: StepRange) -> tuple[dict[int, dict[str, float]],
 def ingest_verl_log(path: Path, out: Path, steps: StepRange) -> tuple[dict[str, Any], dict]:
     """Write the trend run (see the module docstring); returns ``(run, steps)``."""
     from mismatch_probe.hardware import library_versions
-    from mismatch_probe.report.trend_run import write_trend_run
-    from mismatch_probe.rundir.trend_run import TREND_KIND
+    from mismatch_probe.report.trend_run import write_trend_report
+    from mismatch_probe.rundir.trend import Steps, build_trend, write_steps
+    from mismatch_probe.rundir.trend_run import CONFIG, TREND_KIND, TrendRun
 
     per_step, nulls = read_log(path, steps)
     names = sorted({k for m in per_step.values() for k in m})
@@ -127,5 +128,8 @@ def ingest_verl_log(path: Path, out: Path, steps: StepRange) -> tuple[dict[str, 
         },
         "versions": library_versions(),
     }
-    write_trend_run(out, run, per_step)
+    out.mkdir(parents=True, exist_ok=True)
+    store.write_json(out / store.RUN_FILE, run)
+    write_steps(out, Steps(CONFIG, per_step))
+    write_trend_report(TrendRun(out, run, per_step, build_trend(per_step, run)))
     return run, per_step

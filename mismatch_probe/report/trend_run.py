@@ -1,8 +1,8 @@
 """A trend run, written (``probe ingest verl-log``): ``trend_markdown`` / ``render_trend_run``
 render a ``rundir.trend_run.TrendRun`` (the trend of ``trend_table``, the V1 aggregation caveat,
-and a line saying the data integrity could not be checked); ``write_trend_run`` writes
-``run.json``, ``steps.json``, ``report.md`` and the plot; ``render_ingest`` is ``probe
-ingest``'s output for a trend run or any other.
+and a line saying the data integrity could not be checked); ``write_trend_report`` writes its
+``report.md`` and plot (``ingest.verl_log`` writes the data files first); ``render_ingest`` is
+``probe ingest``'s output for a trend run or any other.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from rich.text import Text
 
 from mismatch_probe import store
 from mismatch_probe.report.trend_table import render_markdown, render_table
-from mismatch_probe.rundir.trend_run import CONFIG, NO_INTEGRITY, TrendRun, caveat, load_trend_run
+from mismatch_probe.rundir.trend_run import NO_INTEGRITY, TrendRun, caveat
 
 
 def trend_markdown(view: TrendRun, plot: Path | None) -> str:
@@ -25,16 +25,6 @@ def trend_markdown(view: TrendRun, plot: Path | None) -> str:
     head += [f"⚠️ {escape(NO_INTEGRITY)}", "", escape(caveat(view.run)), ""]
     body = render_markdown(view.trend, plot, view.run_dir) if view.trend is not None else ""
     return "\n".join([*head, body])
-
-
-def write_trend_run(out: Path, run: dict[str, Any], steps: dict[int, dict[str, float]]) -> None:
-    """``run.json``, ``steps.json``, ``report.md`` and ``plots/trend.png`` into ``out``."""
-    from mismatch_probe.rundir.trend import Steps, write_steps
-
-    out.mkdir(parents=True, exist_ok=True)
-    store.write_json(out / store.RUN_FILE, run)
-    write_steps(out, Steps(CONFIG, steps))
-    write_trend_report(load_trend_run(out))
 
 
 def write_trend_report(view: TrendRun) -> Path:
