@@ -55,8 +55,8 @@ def record_figures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     original = matplotlib.figure.Figure.savefig
 
     def record(fig: Any, fname: Any, *args: Any, **kwargs: Any) -> Any:
-        name = Path(fname).name  # the atomic writer's ".NAME.partial-PID"
-        saved.append((name.lstrip(".").split(".partial-")[0], fig))
+        name = kwargs["metadata"]["Title"]  # report.png.save_png draws into memory, titled
+        saved.append((name, fig))
         return original(fig, fname, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)

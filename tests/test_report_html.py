@@ -134,12 +134,22 @@ def test_raw_html_outside_the_allowed_tags_is_shown_as_text(tmp_path: Path) -> N
     assert "<script" not in text and "<img" not in body
 
 
-def test_only_png_files_inside_the_report_directory_are_embedded(tmp_path: Path) -> None:
+def test_only_the_pngs_handed_over_inside_the_report_directory_are_embedded(
+    tmp_path: Path,
+) -> None:
+    """Images come from what the report wrote (handed over in memory), never from the disk: a
+    PNG on disk that was not handed over is missing, as is one outside the report's directory."""
     (tmp_path / "inside").mkdir()
     png = (Path(__file__).parent.parent / "docs" / "report-probs.png").read_bytes()
     (tmp_path / "secret.png").write_bytes(png)
     (tmp_path / "inside" / "fake.png").write_text("not a png")
     (tmp_path / "inside" / "ok.png").write_bytes(png)
+    (tmp_path / "inside" / "on-disk.png").write_bytes(png)
+    images = {
+        p.resolve(): p.read_bytes()
+        for p in (tmp_path / "secret.png", tmp_path / "inside" / "fake.png")
+    }
+    images[(tmp_path / "inside" / "ok.png").resolve()] = png
     md = "\n\n".join(
         f"![{name}]({src})"
         for name, src in [
@@ -148,11 +158,12 @@ def test_only_png_files_inside_the_report_directory_are_embedded(tmp_path: Path)
             ("web", "http://example.com/x.png"),
             ("gone", "missing.png"),
             ("fake", "fake.png"),
+            ("disk", "on-disk.png"),
             ("ok", "ok.png"),
         ]
     )
-    body = render_html(md, tmp_path / "inside", "t").split("<body>")[1]
-    assert len(re.findall(r'class="missing"', body)) == 5
+    body = render_html(md, tmp_path / "inside", "t", images).split("<body>")[1]
+    assert len(re.findall(r'class="missing"', body)) == 6
     assert body.count("<img ") == 1 and 'alt="ok"' in body
     assert "example.com" not in body and "secret" not in body
 

@@ -63,6 +63,7 @@ def write_outputs(
     from mismatch_probe.report.html import write_html
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
+    from mismatch_probe.report.png import kept
     from mismatch_probe.report.routing import routing_markdown, write_routing_plots
     from mismatch_probe.report.settings import settings_markdown, settings_top_markdown
     from mismatch_probe.report.trend_plot import write_trend
@@ -70,35 +71,36 @@ def write_outputs(
     out = store.writable_dir(Path(out_dir), "run directory")
     written = dict(data or {})
     plots_dir = out / store.PLOTS_DIR
-    plots = write_plots(ctx, plots_dir)
-    routing_plots = write_routing_plots(ctx.routing, plots_dir)
-    extra_plots = dict(routing_plots)
-    turns_plot = turns.write_plot(ctx, plots_dir)
-    if turns_plot is not None:
-        extra_plots["plot_turns"] = turns_plot
-    attribution_plot = attribution.write_plot(ctx.attribution, plots_dir)
-    extra_plots.update({k: written[k] for k in ("attribution",) if k in written})
-    extra_plots.update({"plot_attribution": attribution_plot} if attribution_plot else {})
-    trend, trend_plot = write_trend(ctx, plots_dir, out)
-    if trend_plot:
-        extra_plots["plot_trend"] = trend_plot
-    matrix = entries if entries and len(entries) > 1 else None
-    top = settings_top_markdown(matrix, ctx.label, len(ctx.settings)) if matrix else None
-    sections = [
-        render_markdown(ctx, plots, out, top),
-        turns.markdown(ctx, turns_plot),
-        settings_markdown(matrix, out) if matrix else "",
-        routing_markdown(ctx.routing, routing_plots),
-        attribution.markdown_section(ctx.attribution, attribution_plot, out),
-        trend,
-    ]
-    text = "\n".join(section for section in sections if section)
-    paths = {k: written[k] for k in ("metrics",) if k in written}
-    paths["report"] = out / store.REPORT_FILE
-    paths.update({k: written[k] for k in ("integrity",) if k in written})
-    store.write_text(paths["report"], text)
-    model = ctx.run.get("model", {}).get("name", ctx.label)
-    paths["html"] = write_html(text, paths["report"], f"Mismatch report: {model}")
+    with kept() as pngs:  # the PNGs drawn, for the HTML to embed
+        plots = write_plots(ctx, plots_dir)
+        routing_plots = write_routing_plots(ctx.routing, plots_dir)
+        extra_plots = dict(routing_plots)
+        turns_plot = turns.write_plot(ctx, plots_dir)
+        if turns_plot is not None:
+            extra_plots["plot_turns"] = turns_plot
+        attribution_plot = attribution.write_plot(ctx.attribution, plots_dir)
+        extra_plots.update({k: written[k] for k in ("attribution",) if k in written})
+        extra_plots.update({"plot_attribution": attribution_plot} if attribution_plot else {})
+        trend, trend_plot = write_trend(ctx, plots_dir, out)
+        if trend_plot:
+            extra_plots["plot_trend"] = trend_plot
+        matrix = entries if entries and len(entries) > 1 else None
+        top = settings_top_markdown(matrix, ctx.label, len(ctx.settings)) if matrix else None
+        sections = [
+            render_markdown(ctx, plots, out, top),
+            turns.markdown(ctx, turns_plot),
+            settings_markdown(matrix, out) if matrix else "",
+            routing_markdown(ctx.routing, routing_plots),
+            attribution.markdown_section(ctx.attribution, attribution_plot, out),
+            trend,
+        ]
+        text = "\n".join(section for section in sections if section)
+        paths = {k: written[k] for k in ("metrics",) if k in written}
+        paths["report"] = out / store.REPORT_FILE
+        paths.update({k: written[k] for k in ("integrity",) if k in written})
+        store.write_text(paths["report"], text)
+        model = ctx.run.get("model", {}).get("name", ctx.label)
+        paths["html"] = write_html(text, paths["report"], f"Mismatch report: {model}", pngs)
     plot_paths = {f"plot_{name}": path for name, (path, _) in plots.items()}
     return {**paths, **plot_paths, **extra_plots}
 

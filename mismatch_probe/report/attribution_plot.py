@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mismatch_probe import store
 from mismatch_probe.report.plots import DPI, FIGSIZE
+from mismatch_probe.report.png import save_png
 
 LOG_SPAN = 100.0
 ROW_INCHES = 0.28  # height per bar
@@ -70,9 +70,7 @@ def plot_attribution(data: dict[str, dict[str, Any]], path: Path) -> Path:
     fig.suptitle("Where the mismatch comes from", fontsize=11, fontweight="bold")
     ax.set_title("bar label: share of the squared log-ratio (links along the spec's path)",
                  fontsize=8.5, color="0.35")  # fmt: skip
-    with store.atomic(path) as tmp:  # never a truncated PNG under its final name
-        fig.savefig(tmp, dpi=DPI, format="png")
-    return path
+    return save_png(fig, path, DPI)
 
 
 def _palette(n: int) -> list[Any]:

@@ -200,17 +200,19 @@ def write_comparison(comparison: Comparison, out_dir: Path) -> dict[str, Path]:
     """Write the overlaid plots (``settings/<setting>/`` for each of several settings paired),
     ``compare.md`` and ``compare.html`` into ``out_dir``; returns their paths."""
     from mismatch_probe.report.html import write_html
+    from mismatch_probe.report.png import kept
 
     store.writable_dir(out_dir, "--out")
     pairs = comparison.all_pairs
-    plots = []
-    for pair in pairs:
-        where = out_dir if len(pairs) == 1 else out_dir / "settings" / _slug(str(pair.setting))
-        plots.append(overlay_plots(list(pair.entries), where, pair.setting))
-    report = out_dir / store.COMPARE_FILE
-    text = comparison_markdown(comparison, plots, out_dir)
-    store.write_text(report, text)
-    html = write_html(text, report, "Mismatch comparison")
+    with kept() as pngs:  # the PNGs drawn, for the HTML to embed
+        plots = []
+        for pair in pairs:
+            where = out_dir if len(pairs) == 1 else out_dir / "settings" / _slug(str(pair.setting))
+            plots.append(overlay_plots(list(pair.entries), where, pair.setting))
+        report = out_dir / store.COMPARE_FILE
+        text = comparison_markdown(comparison, plots, out_dir)
+        store.write_text(report, text)
+        html = write_html(text, report, "Mismatch comparison", pngs)
     plot_paths = {}
     for i, drawn in enumerate(plots):
         prefix = "plot_" if len(plots) == 1 else f"plot_{i + 1}_"

@@ -5,8 +5,8 @@ The HTML is the report's Markdown (``report.md``, ``compare.md``) rendered by ma
 HTML with no second renderer to keep in step. What this module adds:
 
 * each ``![title](plots/x.png)`` becomes an ``<img>`` whose ``src`` is the PNG as a base64
-  ``data:`` URI (only PNG files inside the report's directory; anything else is shown as a
-  "plot missing" note, never fetched);
+  ``data:`` URI (only the PNGs the report wrote, handed over in memory, inside the report's
+  directory; anything else is shown as a "plot missing" note, never fetched or read);
 * raw HTML in the Markdown passes only when it is one of ``ALLOWED_TAGS`` (``<b>``,
   ``<details>``, ``<summary>`` and a few more plain tags, no attributes); any other tag is shown
   as text (a section that needs another tag adds it there). Model text is already
@@ -24,6 +24,7 @@ import base64
 import html
 import re
 import struct
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -112,39 +113,44 @@ def png_size(data: bytes) -> tuple[int, int] | None:
     return int(width), int(height)
 
 
-def data_uri(base: Path, src: str) -> tuple[str, tuple[int, int]] | None:
-    """The PNG at ``base/src`` as ``(data: URI, size)``; None unless ``src`` is a relative path
-    to a PNG file inside ``base``."""
+def data_uri(
+    base: Path, src: str, images: Mapping[Path, bytes]
+) -> tuple[str, tuple[int, int]] | None:
+    """The PNG ``base/src`` of ``images`` (``{resolved path: bytes}``, the plots the report
+    wrote) as ``(data: URI, size)``; None unless ``src`` is a relative path inside ``base`` to
+    one of them that is a PNG."""
     if not src or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", src) or src.startswith(("/", "\\")):
         return None
     root = base.resolve()
     path = (root / src).resolve()
-    if not path.is_relative_to(root) or not path.is_file():
+    data = images.get(path)
+    if not path.is_relative_to(root) or data is None:
         return None
-    data = path.read_bytes()
     size = png_size(data)
     if size is None:
         return None
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii"), size
 
 
-def _render_image(base: Path, tokens: list, idx: int, options: Any, env: Any) -> str:
+def _render_image(
+    base: Path, images: Mapping[Path, bytes], tokens: list, idx: int, options: Any, env: Any
+) -> str:
     token = tokens[idx]
     alt = html.escape(token.content or "")
-    found = data_uri(base, token.attrGet("src") or "")
+    found = data_uri(base, token.attrGet("src") or "", images)
     if found is None:
         return f'<span class="missing">[plot missing: {alt}]</span>'
     uri, (width, height) = found
     return f'<img src="{uri}" alt="{alt}" title="{alt}" width="{width}" height="{height}">'
 
 
-def _markdown_parser(base: Path) -> Any:
+def _markdown_parser(base: Path, images: Mapping[Path, bytes]) -> Any:
     from markdown_it import MarkdownIt
 
     md = MarkdownIt("commonmark", {"html": True, "linkify": False, "typographer": False})
     md.enable(["table", "strikethrough"])
     rules: dict[str, Any] = md.renderer.rules  # type: ignore[attr-defined]  # RendererHTML
-    rules["image"] = partial(_render_image, base)
+    rules["image"] = partial(_render_image, base, images)
     rules["html_inline"] = rules["html_block"] = _render_raw_html
     return md
 
@@ -176,9 +182,12 @@ def _verdict_words(body: str) -> str:
     return body
 
 
-def render_html(markdown: str, base: Path, title: str) -> str:
-    """The whole HTML document of ``markdown``; images are resolved against ``base``."""
-    body = _verdict_words(_markdown_parser(Path(base)).render(markdown))
+def render_html(
+    markdown: str, base: Path, title: str, images: Mapping[Path, bytes] | None = None
+) -> str:
+    """The whole HTML document of ``markdown``; images are resolved against ``base`` and
+    embedded from ``images`` (``report.png.kept``: the PNGs the report wrote)."""
+    body = _verdict_words(_markdown_parser(Path(base), images or {}).render(markdown))
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
@@ -192,9 +201,11 @@ def render_html(markdown: str, base: Path, title: str) -> str:
     )
 
 
-def write_html(markdown: str, markdown_path: Path, title: str) -> Path:
+def write_html(
+    markdown: str, markdown_path: Path, title: str, images: Mapping[Path, bytes]
+) -> Path:
     """Write the HTML of ``markdown`` beside its Markdown file (``report.md`` ->
     ``report.html``), images resolved against that file's directory; returns the path."""
     path = markdown_path.with_suffix(".html")
-    store.write_text(path, render_html(markdown, markdown_path.parent, title))
+    store.write_text(path, render_html(markdown, markdown_path.parent, title, images))
     return path

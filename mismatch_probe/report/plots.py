@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mismatch_probe import store
 from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.config import parse_is
+from mismatch_probe.report.png import save_png
 from mismatch_probe.report.sections import visible
 from mismatch_probe.rundir.context import RunContext
 
@@ -46,9 +46,7 @@ def new_figure() -> tuple[Figure, Axes]:
 def save(fig: Figure, path: Path, title: str, subtitle: str) -> Path:
     fig.suptitle(title, fontsize=11, fontweight="bold")
     fig.axes[0].set_title(subtitle, fontsize=8.5, color="0.35")
-    with store.atomic(path) as tmp:  # never a truncated PNG under its final name
-        fig.savefig(tmp, dpi=DPI, format="png")
-    return path
+    return save_png(fig, path, DPI)
 
 
 def plain_ticks(axis: Any, ticks: tuple[float, ...]) -> None:

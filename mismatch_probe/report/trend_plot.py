@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe import store
 from mismatch_probe.report.plots import DPI
+from mismatch_probe.report.png import save_png
 from mismatch_probe.report.trend_table import label, render_markdown
 from mismatch_probe.rundir.context import RunContext
 from mismatch_probe.rundir.trend import Trend, threshold_of
@@ -67,6 +67,4 @@ def write_trend_plot(trend: Trend, path: Path, subtitle: str) -> Path:
     axes[-1].set_xlabel("training step")
     fig.suptitle("Mismatch against training step", fontsize=11, fontweight="bold")
     top.set_title(subtitle, fontsize=8.5, color="0.35")
-    with store.atomic(path) as tmp:  # never a truncated PNG under its final name
-        fig.savefig(tmp, dpi=DPI, format="png")
-    return path
+    return save_png(fig, path, DPI)

@@ -448,6 +448,12 @@ def _sequence_aligned_chunks(table: pa.Table, target: int) -> Iterator[tuple[int
         start = stop
 
 
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write a binary file atomically (``atomic``)."""
+    with atomic(path) as tmp:
+        tmp.write_bytes(data)
+
+
 def write_text(path: Path, text: str) -> None:
     """Write a text file atomically (``atomic``)."""
     with atomic(path) as tmp:
