@@ -58,7 +58,7 @@ demo: install
 	    --rollout-dtype bfloat16,float16,float32 --kv-cache-dtype auto,fp8
 
 test: install browser
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 # Headless Chromium for tests/test_report_html.py. Without root (or apt) nothing is installed:
 # every other test runs, that one is skipped, and both this step and pytest say so.
