@@ -51,9 +51,10 @@ READERS = (  # store's readers, and the entry points that read a run directory o
     "load_run", "load_report", "read_data", "read_run", "load_comparison", "load_routing",
     "read_attribution", "read_steps", "steps_of", "run_integrity", "known_causes",
     "sequence_stats", "rerender_example", "compute_metrics", "compute_integrity",
-    "compute_attribution", "compute_step_metrics",
+    "compute_attribution", "compute_step_metrics", "load_trend_run",
 )  # fmt: skip
-READING_CALLS = ("open", "read_text", "load", "loads")  # open(), Path.read_text(), json.load(s)
+# open(), Path.read_text() / read_bytes(), json.load(s)
+READING_CALLS = ("open", "read_text", "read_bytes", "load", "loads")
 
 
 def _unit(path: Path) -> str:
@@ -206,7 +207,7 @@ def test_the_report_stage_renders_only() -> None:
     result, never a run directory, and no module of ``report/`` reads a file to find out what to
     say: one reader (``rundir/``) builds the view, the pipeline builds it from memory. report/
     writes its outputs (Markdown, HTML, PNG) into the directory it is handed, and embeds the
-    PNGs it drew into the HTML."""
+    PNGs it drew into the HTML from memory (``report.png.kept``), never reading them back."""
     offenders = [
         f"{path.relative_to(PACKAGE)}: {what}"
         for path in _modules()
