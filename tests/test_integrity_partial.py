@@ -15,7 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from mismatch_probe import store
+from mismatch_probe.metrics import compute_metrics
 from mismatch_probe.metrics.integrity import COPY_MESSAGE, ERROR, WARNING, compute_integrity
+from mismatch_probe.metrics.recommend import recommend
 from mismatch_probe.report.integrity import integrity_markdown
 from mismatch_probe.rundir import load_report
 from tests.cli_runner import run_probe
@@ -159,13 +161,29 @@ def test_short_identical_sequences_are_no_copy(tmp_path: Path) -> None:
 # --- the run's findings: report line, probe check, recommendation -----------------------------
 
 
-CASES = {
-    "30% shifted": ({0: dict.fromkeys(range(9), "shift")}, "shifted_by_one", 1),
+ERROR_LINE = "Data integrity: 1 error (numbers below may not mean what they say)"
+WARNING_LINE = "Data integrity: 1 warning (numbers below may not mean what they say)"
+CASES = {  # steps and faults, the check, its summary line, probe check's exit code
+    "30% shifted": ({0: dict.fromkeys(range(9), "shift")}, "shifted_by_one", ERROR_LINE, 1),
     "step 2 shifted": (
         {1: {}, 2: dict.fromkeys(range(N_SEQS), "shift"), 3: {}},
         "shifted_by_one",
+        ERROR_LINE,
         1,
     ),
+    "step 2 copied": (
+        {1: {}, 2: dict.fromkeys(range(N_SEQS), "copy"), 3: {}},
+        "trainer_copies_rollout",
+        WARNING_LINE,
+        0,
+    ),
+    "27 of 30 copied": (
+        {0: dict.fromkeys(range(27), "copy")},
+        "trainer_copies_rollout",
+        WARNING_LINE,
+        0,
+    ),
+    "-1e9 rollout": ({0: {5: "low_rollout"}}, "implausible_logprob", ERROR_LINE, 1),
 }
 
 
@@ -173,16 +191,48 @@ CASES = {
 def test_partial_faults_reach_the_report_and_the_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, case: str
 ) -> None:
-    steps, check, code = CASES[case]
+    """The report's integrity line, the recommendation (investigate first: an error, or a
+    copy of the rollout side) and ``probe check``'s exit code without ``--step``."""
+    steps, check, summary, code = CASES[case]
     run = write_run(tmp_path / "run", steps)
     ctx, _ = load_report(run)
     lines = integrity_markdown(ctx.integrity)
-    summary = "Data integrity: 1 error (numbers below may not mean what they say)"
     assert lines[:3] == ["## Data integrity", "", summary]
     assert f"`{check}`" in lines[4]
     if "step" in case:
-        assert ": step 2: the training log-probs" in lines[4]
-    assert ctx.tables["recommendation"]["outcome"] == "investigate_first"
+        assert f"`{check}`" in lines[4] and ": step 2: " in lines[4]
+    recommendation = ctx.tables["recommendation"]
+    assert recommendation["outcome"] == "investigate_first"
+    assert check in recommendation["reason"]
     got, out, _ = run_probe(["check", str(run), "--max", "k3_kl=10"], monkeypatch, capsys)
     last = out.splitlines()[-1]
-    assert got == code and last.startswith(f"all bounds hold; integrity error: {check}")
+    assert got == code
+    if code:
+        assert f"; integrity error: {check} (--accept CHECK" in last
+    else:
+        assert last == "all bounds hold" and f"warning {check}" in out
+
+
+@pytest.mark.parametrize("side", ["low_train", "low_rollout"])
+def test_minus_1e9_on_either_side_is_implausible(tmp_path: Path, side: str) -> None:
+    run = write_run(tmp_path / "run", {0: {5: side, 6: side}}, kind="scan")
+    f = found(run, "scan")["implausible_logprob"]
+    assert (f.severity, f.tokens, f.sequences, f.share) == (ERROR, 2, 2, 2 / N_SEQS)
+    assert "below -10000 (lowest -1e+09)" in f.message
+    if side == "low_rollout":  # k3 overflows: the flag alone turns the recommendation
+        metrics = compute_metrics(run)
+        flat = metrics.flat()
+        assert flat["k3_kl_overflow"] == 1.0
+        rec = recommend(flat, metrics.config.describe())
+        assert rec.outcome == "investigate_first" and "k3_kl_overflow is set" in rec.reason
+
+
+def test_a_low_but_real_logprob_is_plausible(tmp_path: Path) -> None:
+    """-9000 nats (the metric engine's floor is -9999) is no placeholder."""
+    run = write_run(tmp_path / "run", {0: {}}, kind="scan")
+    table = pq.read_table(run / store.TOKENS_FILE)
+    train = table.column("train_logprob").to_numpy().copy()
+    train[3] = -9000.0
+    table = table.set_column(4, "train_logprob", pa.array(train, pa.float32()))
+    pq.write_table(table, run / store.TOKENS_FILE)
+    assert "implausible_logprob" not in found(run, "scan")
