@@ -172,7 +172,7 @@ def metrics_command(
 
         sweep = result.tables["threshold_sweep"]
         found = recommend(
-            result.flat(), result.config.describe(), sweep, integrity.error_checks(number)
+            result.flat(), result.config.describe(), sweep, integrity.blocking_checks(number)
         )
         data = {
             "integrity": integrity_json(integrity, number),

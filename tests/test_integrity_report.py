@@ -81,6 +81,8 @@ def test_findings_are_shown_first_everywhere(tmp_path: Path) -> None:
                 "tokens": 1,
                 "sequences": 1,
                 "message": POSITIVE,
+                "share": 1 / 3,
+                "steps": None,
             }
         ],
         "masks_applied": [],

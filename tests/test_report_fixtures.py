@@ -69,8 +69,15 @@ def make_run(path: Path, seqs: list[Seq], *, metrics: bool = True, **meta: Any) 
     )
     store.write_json(path / store.RUN_FILE, run)
     if metrics:
-        store.write_json(path / "metrics.json", compute_metrics(path).to_json_dict())
+        store.write_json(path / "metrics.json", tied(path, compute_metrics(path).to_json_dict()))
     return path
+
+
+def tied(path: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with their tie to the run's token store, as ``probe scan`` writes them."""
+    from mismatch_probe.store.fingerprint import STORE_KEY, store_tie
+
+    return {**metrics, STORE_KEY: store_tie(store.resolve_tokens_path(path))}
 
 
 def uniform_seqs(r: float, lengths: list[int]) -> list[Seq]:
@@ -115,6 +122,6 @@ def matrix_run(path: Path, settings: dict[str, list[Seq]], **meta: Any) -> Path:
     tokens = pa.concat_tables(tables)
     store.write_table(path / store.TOKENS_FILE, tokens, store.TOKEN_SCHEMA, run)
     store.write_json(path / store.RUN_FILE, run)
-    first = compute_metrics(path, setting=names[0]).to_json_dict()
+    first = tied(path, compute_metrics(path, setting=names[0]).to_json_dict())
     store.write_json(path / store.METRICS_FILE, first)
     return path

@@ -153,11 +153,12 @@ def clamped_std(sum_c: float, sum_c2: float, n_tokens: float) -> float:
 
 
 def eff_sample_size(sum_c: float, sum_c2: float, n_tokens: float) -> float:
-    """``1 / mmean((c / (mmean(c) + 1e-8))^2)``; 0 when every weight is 0."""
+    """``1 / mmean((c / (mmean(c) + 1e-8))^2)``, at most 1 (equal weights give 1 up to the
+    rounding of the ``1e-8``: 1.00000002, clamped); 0 when every weight is 0."""
     if sum_c2 <= 0.0:
         return 0.0
     mu = mmean(sum_c, n_tokens)
-    return 1.0 / mmean(sum_c2 / (mu + EPS) ** 2, n_tokens)
+    return min(1.0, 1.0 / mmean(sum_c2 / (mu + EPS) ** 2, n_tokens))
 
 
 def capped(value: float) -> tuple[float, bool]:

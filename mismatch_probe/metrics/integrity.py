@@ -14,9 +14,11 @@ memory bounded by a batch plus fixed-size counts per training step):
   tokens t (the interior ones: those whose t-1 and t+1 are valid tokens of the sequence), so that
   one outlying first or last token, counted in ``L(0)`` but missing from one of ``L(+-1)``,
   cannot look like a shift; ``tokens`` is the number of such t;
-* ``trainer_copies_rollout``: every valid token bitwise identical, on at least 100 tokens of an
-  ingested run: a warning (verl's bypass mode copies ``rollout_log_probs`` into
-  ``old_log_probs``);
+* ``trainer_copies_rollout``: on an ingested run, every valid token bitwise identical (at
+  least 100 tokens), or at least 5% of the sequences of at least 8 valid tokens each identical
+  throughout: a warning (verl's bypass mode copies ``rollout_log_probs`` into ``old_log_probs``);
+* ``implausible_logprob``: a finite log-prob below ``-1e4`` on a valid token (a placeholder such
+  as -1e9 or ``finfo.min``): an error;
 * ``positive_logprob``: any log-prob above ``1e-6``: an error;
 * ``nonfinite_logprob``: NaN or infinite log-prob on a valid token: an error. A training-side
   ``-inf`` on a token flagged ``support_flip`` is not counted: the scan's rescorer gives ``-inf``
@@ -26,11 +28,20 @@ memory bounded by a batch plus fixed-size counts per training step):
   ``mask_rules``: ``[{"rule", "applied", "detail"}]``): a warning; the masks it applied are
   listed beside the findings (``masks_applied``), not as findings.
 
+**Partial faults count** (spec section 8, amended): a check fires when it holds pooled, or on at
+least 5% of the valid sequences (at least 2: ``IntegrityAccumulator.partial``), or in any step
+of a store with a ``step`` column; every finding carries ``share`` (its sequences, of the valid
+sequences) and ``steps`` (the steps it holds in; None without steps). A step's finding is a
+finding of the run (``with_steps``): its message then starts ``step 2: ...`` and an error in a
+step is an error of the run, so the report's integrity line and ``probe check`` without
+``--step`` see it.
+
 A valid token is a row whose two log-probs are not null (null marks padding, as in the metric
 engine). Log-probs below ``LOGPROB_FLOOR`` (``-inf`` aside, which is non-finite here) are read as
 the floor for ``L(k)``. Sign convention of the metric engine: ``r = train - rollout``.
 
-``integrity.json``: ``{"findings": [{"check", "severity", "tokens", "sequences", "message"}],
+``integrity.json``: ``{"findings": [{"check", "severity", "tokens", "sequences", "message",
+"share", "steps"}],
 "masks_applied": [...], "steps": {"<step>": [findings]}}`` (``steps`` for a store with a
 ``step`` column). Numbers only here; ``report.integrity`` renders them.
 """
@@ -38,8 +49,8 @@ the floor for ``L(k)``. Sign convention of the metric engine: ``r = train - roll
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +72,7 @@ CHECKS = (
     "placeholder_logprob",
     "shifted_by_one",
     "trainer_copies_rollout",
+    "implausible_logprob",
     "positive_logprob",
     "nonfinite_logprob",
     "mask_rule",
@@ -69,9 +81,15 @@ PLACEHOLDER_OTHER_BELOW = math.log(0.5)  # the other side below ln 0.5: not a ne
 PLACEHOLDER_ERROR_SHARE = 0.01  # an error at or above 1% of the valid tokens
 SHIFT_RATIO = 0.5  # min(L(-1), L(+1)) < 0.5 * L(0) ...
 SHIFT_MIN_L0 = 0.05  # ... and L(0) > 0.05
-COPY_MIN_TOKENS = 100  # bitwise-identical sides on at least this many tokens
+COPY_MIN_TOKENS = 100  # bitwise-identical sides on at least this many tokens (pooled)
+COPY_MIN_SEQ_TOKENS = 8  # a sequence copied throughout counts from this many valid tokens
 POSITIVE_ABOVE = 1e-6  # log-probs up to this are rounding of 0
+IMPLAUSIBLE_BELOW = -1e4  # no real distribution gives a finite log-prob below this
+PARTIAL_SHARE = 0.05  # a check holds on part of a run from 5% of its valid sequences ...
+PARTIAL_MIN_SEQUENCES = 2  # ... and at least 2 of them
+STEPS_SHOWN = 5  # steps named in a message before "and N more"
 SHIFTS = (-1, 0, 1)
+TOKEN_FLAGS = ("placeholder", "implausible", "positive", "nonfinite")
 COPY_MESSAGE = (
     "the training side equals the rollout side bit for bit: e.g. verl's bypass mode copies "
     "rollout_log_probs into old_log_probs; no mismatch can be measured"
@@ -80,13 +98,18 @@ COPY_MESSAGE = (
 
 @dataclass(frozen=True)
 class Finding:
-    """One integrity problem: which check, how bad, how many tokens and sequences, in words."""
+    """One integrity problem: which check, how bad, how many tokens and sequences, in words.
+
+    ``share``: the sequences it holds on, of the valid sequences (None for ``mask_rule``);
+    ``steps``: the training steps it holds in (None for a store without steps)."""
 
     check: str
     severity: str
     tokens: int
     sequences: int
     message: str
+    share: float | None = None
+    steps: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,16 +118,21 @@ class Finding:
             "tokens": self.tokens,
             "sequences": self.sequences,
             "message": self.message,
+            "share": self.share,
+            "steps": None if self.steps is None else list(self.steps),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Finding:
+        share, steps = data.get("share"), data.get("steps")
         return cls(
             str(data["check"]),
             str(data["severity"]),
             int(data["tokens"]),
             int(data["sequences"]),
             str(data["message"]),
+            None if share is None else float(share),
+            None if steps is None else tuple(int(s) for s in steps),
         )
 
 
@@ -114,6 +142,7 @@ class Integrity:
 
     Attributes:
         findings: errors first, then warnings (each in ``CHECKS`` order); empty when clean.
+            A finding of any step is a finding of the run (``steps`` names where it holds).
         steps: ``{step: findings}`` of a store with a ``step`` column, else empty.
         masks_applied: the format-specific masks the reader applied (``mask_rules`` entries).
     """
@@ -129,6 +158,12 @@ class Integrity:
     def error_checks(self, step: int | None = None) -> list[str]:
         """The checks with an error finding (of ``step``; the run's with ``None``), each once."""
         return list(dict.fromkeys(f.check for f in errors(self.of_step(step))))
+
+    def blocking_checks(self, step: int | None = None) -> list[str]:
+        """The checks that make the recommendation "investigate first" (spec section 7): the
+        errors and ``trainer_copies_rollout`` (no mismatch can be measured), each once."""
+        copies = [f.check for f in self.of_step(step) if f.check == COPY_CHECK]
+        return list(dict.fromkeys([*self.error_checks(step), *copies]))
 
     def to_json_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"findings": [f.to_dict() for f in self.findings]}
@@ -151,10 +186,27 @@ class Integrity:
         )
 
 
+COPY_CHECK = "trainer_copies_rollout"
+
+
 def errors(findings: Iterable[Finding], accepted: Iterable[str] = ()) -> list[Finding]:
     """The error findings whose check is not in ``accepted``."""
     ok = set(accepted)
     return [f for f in findings if f.severity == ERROR and f.check not in ok]
+
+
+def _pct(share: float) -> str:
+    """``30%``, ``3.3%``: a share to two significant digits."""
+    return f"{100 * share:.0f}%" if share >= 0.1 else f"{100 * share:.2g}%"
+
+
+def _of_sequences(held: int, total: int) -> str:
+    """``30% of sequences (27 of 90)``."""
+    return f"{_pct(held / max(total, 1))} of sequences ({held:,} of {total:,})"
+
+
+def _order(f: Finding) -> tuple[bool, int]:
+    return (f.severity != ERROR, CHECKS.index(f.check) if f.check in CHECKS else len(CHECKS))
 
 
 class IntegrityAccumulator:
@@ -164,11 +216,15 @@ class IntegrityAccumulator:
         self.valid = 0
         self.valid_seqs = 0
         self.identical = 0
-        self.counts = dict.fromkeys(("placeholder", "positive", "nonfinite"), 0)
-        self.seqs = dict.fromkeys(("placeholder", "positive", "nonfinite", "shifted"), 0)
+        self.counts = dict.fromkeys(TOKEN_FLAGS, 0)
+        self.seqs = dict.fromkeys((*TOKEN_FLAGS, "shifted", "copied"), 0)
         self.positive_max = 0.0
+        self.implausible_min = 0.0
         self.shift_sum = dict.fromkeys(SHIFTS, 0.0)
         self.shift_n = dict.fromkeys(SHIFTS, 0)
+        self.held_sum = dict.fromkeys(SHIFTS, 0.0)  # over the interior tokens of shifted seqs
+        self.held_n = 0
+        self.copied_tokens = 0  # the valid tokens of the sequences copied throughout
 
     def update(self, seq: np.ndarray, pos: np.ndarray, train: np.ndarray, rollout: np.ndarray,
                valid: np.ndarray, flip: np.ndarray) -> None:  # fmt: skip
@@ -179,10 +235,17 @@ class IntegrityAccumulator:
         arrays = (seq, pos, train, rollout, valid, flip)
         seq, pos, train, rollout, valid, flip = (a[order] for a in arrays)
         _, seg = np.unique(seq, return_inverse=True)
+        nseg = int(seg.max()) + 1 if len(seg) else 0
+        n_valid = np.bincount(seg, weights=valid, minlength=nseg)
         self.valid += int(valid.sum())
-        self.valid_seqs += len(np.unique(seg[valid]))
+        self.valid_seqs += int((n_valid > 0).sum())
         with np.errstate(invalid="ignore"):
-            self.identical += int((valid & (train == rollout)).sum())
+            same = valid & (train == rollout)
+            self.identical += int(same.sum())
+            n_same = np.bincount(seg, weights=same, minlength=nseg)
+            copied = (n_valid >= COPY_MIN_SEQ_TOKENS) & (n_same == n_valid)
+            self.seqs["copied"] += int(copied.sum())
+            self.copied_tokens += int(n_valid[copied].sum())
             finite = valid & np.isfinite(train) & np.isfinite(rollout)
             outside = (train == -np.inf) & flip  # a support flip: the token left the support
             self._flag("nonfinite", valid & ~finite & ~outside, seg)
@@ -191,6 +254,11 @@ class IntegrityAccumulator:
                 top = np.maximum(train, rollout)[positive].max()
                 self.positive_max = max(self.positive_max, float(top))
             self._flag("positive", positive, seg)
+            implausible = finite & ((train < IMPLAUSIBLE_BELOW) | (rollout < IMPLAUSIBLE_BELOW))
+            if implausible.any():
+                low = np.minimum(train, rollout)[implausible].min()
+                self.implausible_min = min(self.implausible_min, float(low))
+            self._flag("implausible", implausible, seg)
             low = PLACEHOLDER_OTHER_BELOW
             dummy = ((train == 0.0) & (rollout < low)) | ((rollout == 0.0) & (train < low))
             self._flag("placeholder", finite & dummy, seg)
@@ -204,7 +272,8 @@ class IntegrityAccumulator:
                finite: np.ndarray) -> None:  # fmt: skip
         """``|train[t] - rollout[t+k]|`` summed per sequence for k in {-1, 0, +1}, over the
         tokens t whose neighbours t-1 and t+1 are valid tokens of the same sequence (the
-        interior tokens)."""
+        interior tokens); the sequences for which the shift test holds on their own pairs
+        are counted, and their sums kept apart."""
         t = np.maximum(np.where(finite, train, 0.0), LOGPROB_FLOOR)
         r = np.maximum(np.where(finite, rollout, 0.0), LOGPROB_FLOOR)
         nseg = int(seg.max()) + 1 if len(seg) else 0
@@ -224,23 +293,39 @@ class IntegrityAccumulator:
         with np.errstate(invalid="ignore", divide="ignore"):
             held = (n > 0) & shifted(*(sums[k] / n for k in SHIFTS))
         self.seqs["shifted"] += int(held.sum())
+        self.held_n += int(n[held].sum())
+        for k in SHIFTS:
+            self.held_sum[k] += float(sums[k][held].sum())
 
     def shift_means(self) -> dict[int, float]:
         """Pooled ``L(k)`` (0 where there was no pair)."""
         return {k: self.shift_sum[k] / self.shift_n[k] if self.shift_n[k] else 0.0 for k in SHIFTS}
 
+    def partial(self, sequences: int) -> bool:
+        """Whether a check holding on ``sequences`` sequences holds on part of the run (spec
+        section 8: at least 5% of the valid sequences, at least 2)."""
+        return sequences >= PARTIAL_MIN_SEQUENCES and sequences >= PARTIAL_SHARE * self.valid_seqs
+
+    def share(self, sequences: int) -> float:
+        return sequences / self.valid_seqs if self.valid_seqs else 0.0
+
     def findings(self, ingested: bool) -> list[Finding]:
         """The findings of everything seen, errors first."""
-        out = [f for f in (self._nonfinite(), self._positive(), self._placeholder(),
-                           self._shifted(), self._copies(ingested)) if f is not None]  # fmt: skip
-        return sorted(out, key=lambda f: (f.severity != ERROR, CHECKS.index(f.check)))
+        out = [f for f in (self._nonfinite(), self._positive(), self._implausible(),
+                           self._placeholder(), self._shifted(),
+                           self._copies(ingested)) if f is not None]  # fmt: skip
+        return sorted(out, key=_order)
+
+    def _token_finding(self, check: str, name: str, severity: str, text: str) -> Finding:
+        m = self.seqs[name]
+        return Finding(check, severity, self.counts[name], m, text, self.share(m))
 
     def _nonfinite(self) -> Finding | None:
         n = self.counts["nonfinite"]
         if not n:
             return None
         text = f"{n:,} valid tokens have a NaN or infinite log-prob; they are not measurements"
-        return Finding("nonfinite_logprob", ERROR, n, self.seqs["nonfinite"], text)
+        return self._token_finding("nonfinite_logprob", "nonfinite", ERROR, text)
 
     def _positive(self) -> Finding | None:
         n = self.counts["positive"]
@@ -250,7 +335,18 @@ class IntegrityAccumulator:
             f"{n:,} log-probs above 0 (largest {self.positive_max:.4g}): a log-probability is at "
             "most 0, so these are not log-probs (probabilities, logits or a sign error?)"
         )
-        return Finding("positive_logprob", ERROR, n, self.seqs["positive"], text)
+        return self._token_finding("positive_logprob", "positive", ERROR, text)
+
+    def _implausible(self) -> Finding | None:
+        n = self.counts["implausible"]
+        if not n:
+            return None
+        text = (
+            f"{n:,} valid tokens have a log-prob below {IMPLAUSIBLE_BELOW:g} (lowest "
+            f"{self.implausible_min:.4g}): a placeholder such as -1e9 or finfo.min, not a "
+            "measured log-prob (no real distribution gives one)"
+        )
+        return self._token_finding("implausible_logprob", "implausible", ERROR, text)
 
     def _placeholder(self) -> Finding | None:
         n = self.counts["placeholder"]
@@ -263,29 +359,96 @@ class IntegrityAccumulator:
             "not a measured log-prob"
         )
         severity = ERROR if share >= PLACEHOLDER_ERROR_SHARE else WARNING
-        return Finding("placeholder_logprob", severity, n, self.seqs["placeholder"], text)
+        return self._token_finding("placeholder_logprob", "placeholder", severity, text)
 
     def _shifted(self) -> Finding | None:
-        L = self.shift_means()
-        if not bool(shifted(L[-1], L[0], L[1])):
+        """Pooled ``L(k)``, or the shifted sequences' own when they are a part of the run."""
+        L, m = self.shift_means(), self.seqs["shifted"]
+        pooled = bool(shifted(L[-1], L[0], L[1]))
+        if not pooled and not self.partial(m):
             return None
+        tokens = self.shift_n[0]
+        where = ""
+        if not pooled:
+            L = {k: self.held_sum[k] / max(self.held_n, 1) for k in SHIFTS}
+            tokens = self.held_n
+            where = f"{_of_sequences(m, self.valid_seqs)} are shifted by one: on them, "
         k = -1 if L[-1] <= L[1] else 1
         text = (
-            f"the training log-probs match the rollout's shifted by {k:+d} token better than "
-            f"unshifted: L(-1) = {L[-1]:.4g}, L(0) = {L[0]:.4g}, L(+1) = {L[1]:.4g} (mean "
+            f"{where}the training log-probs match the rollout's shifted by {k:+d} token better "
+            f"than unshifted: L(-1) = {L[-1]:.4g}, L(0) = {L[0]:.4g}, L(+1) = {L[1]:.4g} (mean "
             "|train_lp[t] - rollout_lp[t+k]|); the two sides are misaligned by one token"
         )
-        return Finding("shifted_by_one", ERROR, self.shift_n[0], self.seqs["shifted"], text)
+        return Finding("shifted_by_one", ERROR, tokens, m, text, self.share(m))
 
     def _copies(self, ingested: bool) -> Finding | None:
-        if not ingested or self.valid < COPY_MIN_TOKENS or self.identical != self.valid:
+        if not ingested:
             return None
-        return Finding("trainer_copies_rollout", WARNING, self.valid, self.valid_seqs, COPY_MESSAGE)
+        if self.valid >= COPY_MIN_TOKENS and self.identical == self.valid:
+            return Finding(COPY_CHECK, WARNING, self.valid, self.valid_seqs, COPY_MESSAGE, 1.0)
+        m = self.seqs["copied"]
+        if not self.partial(m):
+            return None
+        text = f"on {_of_sequences(m, self.valid_seqs)}, {COPY_MESSAGE} on them"
+        return Finding(COPY_CHECK, WARNING, self.copied_tokens, m, text, self.share(m))
 
 
 def shifted(l_minus: Any, l_zero: Any, l_plus: Any) -> Any:
     """The shift test on ``L(-1), L(0), L(+1)`` (floats or ``[S]`` arrays)."""
     return (np.minimum(l_minus, l_plus) < SHIFT_RATIO * l_zero) & (l_zero > SHIFT_MIN_L0)
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    """``step 2``, ``steps 2, 3``, ``steps 1, 2, 3, 4, 5 and 7 more``."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    shown = ", ".join(str(s) for s in steps[:STEPS_SHOWN])
+    more = len(steps) - STEPS_SHOWN
+    return f"steps {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def _worst(severities: Iterable[str]) -> str:
+    return ERROR if ERROR in set(severities) else WARNING
+
+
+def _step_text(hits: Sequence[tuple[int, Finding]]) -> str:
+    """``step 2: <step 2's message>`` (several steps: the first one's numbers)."""
+    numbers = [s for s, _ in hits]
+    text = f"{_steps_text(numbers)}: {hits[0][1].message}"
+    return text + (f" (the numbers of step {numbers[0]})" if len(hits) > 1 else "")
+
+
+def with_steps(
+    found: Sequence[Finding], steps: Mapping[int, Sequence[Finding]], valid_seqs: int
+) -> list[Finding]:
+    """The run's findings with every step's: a check that holds in a step is a finding of the
+    run (``steps`` the steps it holds in; an error in a step is an error of the run), whether
+    or not it holds on the whole run; its message is the step's (``step 2: ...``) unless it
+    holds in every step. ``valid_seqs``: the run's, for the ``share`` of a step's finding."""
+    held: dict[str, list[tuple[int, Finding]]] = {}
+    for step, fs in steps.items():
+        for f in fs:
+            held.setdefault(f.check, []).append((step, f))
+    out = []
+    for f in found:
+        hits = held.pop(f.check, [])
+        severity = _worst([f.severity, *(g.severity for _, g in hits)])
+        text = _step_text(hits) if hits and len(hits) < len(steps) else f.message
+        out.append(replace(f, severity=severity, message=text, steps=tuple(s for s, _ in hits)))
+    for check, hits in held.items():
+        sequences = sum(g.sequences for _, g in hits)
+        out.append(
+            Finding(
+                check,
+                _worst(g.severity for _, g in hits),
+                sum(g.tokens for _, g in hits),
+                sequences,
+                _step_text(hits) if len(hits) < len(steps) else hits[0][1].message,
+                sequences / valid_seqs if valid_seqs else 0.0,
+                tuple(s for s, _ in hits),
+            )
+        )
+    return sorted(out, key=_order)
 
 
 def mask_findings(run: Mapping[str, Any]) -> tuple[list[Finding], list[dict[str, Any]]]:
@@ -364,5 +527,12 @@ def compute_integrity(
             )
     ingested = run.get("kind") == "ingest"
     masks, applied = mask_findings(run)
-    steps = {s: tuple(acc.findings(ingested) + masks) for s, acc in sorted(per_step.items())}
-    return Integrity(tuple(whole.findings(ingested) + masks), steps, tuple(applied))
+    found = {
+        s: [replace(f, steps=(s,)) for f in acc.findings(ingested)]
+        for s, acc in sorted(per_step.items())
+    }
+    run_found = whole.findings(ingested)
+    if has_step:
+        run_found = with_steps(run_found, found, whole.valid_seqs)
+    steps = {s: tuple(fs + masks) for s, fs in found.items()}
+    return Integrity(tuple(run_found + masks), steps, tuple(applied))

@@ -168,7 +168,8 @@ NAMES: tuple[MetricName, ...] = (
     _is(
         "rollout_is_eff_sample_size",
         "`1 / mmean((c / (mmean(c) + 1e-8))^2)`, `c` as for `rollout_is_std`: the share of the "
-        "batch the weighted sample is worth; 0 when every weight is 0 (where verl divides by 0)",
+        "batch the weighted sample is worth, at most 1 (equal weights give 1 up to the rounding "
+        "of the 1e-8, clamped); 0 when every weight is 0 (where verl divides by 0)",
     ),
     _is("rollout_is_seq_mean", "mean over sequences of `q_i = mmean_i(w)`"),
     _is("rollout_is_seq_std", "unbiased standard deviation over sequences of `q_i`"),

@@ -306,7 +306,8 @@ def decision_tables(
 def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
     """``metrics.json`` if it exists, has the expected shape and holds only finite numbers,
     else None (the metrics are then recomputed from the store: a NaN written by hand or by a
-    foreign tool never reaches a report)."""
+    foreign tool never reaches a report). ``_metrics_data`` reuses it only when its ``store``
+    tie (row count and each part's fingerprint) matches the store as it is now."""
     path = run_dir / store.METRICS_FILE
     try:
         data = store.read_json(path)
@@ -324,10 +325,14 @@ def _stored_metrics(run_dir: Path) -> dict[str, Any] | None:
 def _metrics_data(
     run_dir: Path, config: MetricsConfig | None, setting: str | None
 ) -> dict[str, Any]:
+    from mismatch_probe.store.fingerprint import STORE_KEY, same_store
+
+    tokens = store.resolve_tokens_path(run_dir)
     stored = _stored_metrics(run_dir) if setting is None else None
-    if stored is not None and (config is None or stored["config"] == config.describe()):
-        return stored
-    return compute_metrics(store.resolve_tokens_path(run_dir), config, setting).to_json_dict()
+    fits = stored is not None and (config is None or stored["config"] == config.describe())
+    if stored is not None and fits and same_store(stored.get(STORE_KEY), tokens):
+        return stored  # computed with this config from this very store
+    return compute_metrics(tokens, config, setting).to_json_dict()
 
 
 def _token_texts(path: Path, seq_ids: list[int]) -> dict[int, tuple[np.ndarray, list[str]]]:

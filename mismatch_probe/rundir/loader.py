@@ -81,7 +81,7 @@ def build_report(
     integrity = data.integrity  # the producer's, from this store in its metrics pass
     if integrity is None:
         integrity = run_integrity(run_dir, data.run)  # recomputed from the store
-    errors = list(dict.fromkeys([*integrity_errors, *integrity.error_checks()]))
+    errors = list(dict.fromkeys([*integrity_errors, *integrity.blocking_checks()]))
     ctx = build_run(run_dir, data, metrics_config, chosen[0], errors, names)
     steps = steps_of(store.resolve_tokens_path(run_dir), data.steps, ctx.config)
     trend = build_trend(steps.per_step, ctx.run) if steps is not None else None

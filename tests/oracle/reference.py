@@ -58,7 +58,7 @@ def is_metrics(d: Dense, spec: ISSpec, batch_normalize: bool) -> dict[str, float
     out["rollout_is_std"] = math.sqrt(max(0.0, var)) if m.sum() > 1 else 0.0
     zero = msum(c**2, m) == 0
     out["rollout_is_eff_sample_size"] = (
-        0.0 if zero else float(1.0 / mmean((c / (mmean(c, m) + EPS)) ** 2, m))
+        0.0 if zero else min(1.0, float(1.0 / mmean((c / (mmean(c, m) + EPS)) ** 2, m)))
     )
     q, q_raw = mmean(w, m, -1), mmean(raw, m, -1)
     out["rollout_is_seq_mean"] = float(q.mean())
@@ -199,7 +199,7 @@ def preset_metrics(d: Dense, preset: PresetSpec) -> dict[str, float]:
         f"{p}/seq_masked_fraction": float(masked.any(-1).mean()),
         f"{p}/eff_sample_size": 0.0
         if zero
-        else float(1 / mmean((c / (mmean(c, m) + EPS)) ** 2, m)),
+        else min(1.0, float(1 / mmean((c / (mmean(c, m) + EPS)) ** 2, m))),  # at most 1
     }
 
 
