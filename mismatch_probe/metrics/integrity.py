@@ -25,6 +25,8 @@ memory bounded by a batch plus fixed-size counts per training step):
 * ``mask_rule``: a format-specific mask the ingest reader could not apply (run metadata
   ``mask_rules``: ``[{"rule", "applied", "detail"}]``): a warning; the masks it applied are
   listed beside the findings (``masks_applied``), not as findings.
+* ``temperature_mismatch`` and ``truncated_support``: the misaligned sampling settings, in
+  ``metrics.sampling_checks`` (fed here, batch by batch, by ``IntegrityAccumulator.update``).
 
 A valid token is a row whose two log-probs are not null (null marks padding, as in the metric
 engine). Log-probs below ``LOGPROB_FLOOR`` (``-inf`` aside, which is non-finite here) are read as
@@ -48,6 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.metrics.batch import LOGPROB_FLOOR
+from mismatch_probe.metrics.sampling_checks import SAMPLING_CHECKS, SamplingAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
     STEP_COLUMN,
@@ -64,6 +67,7 @@ CHECKS = (
     "positive_logprob",
     "nonfinite_logprob",
     "mask_rule",
+    *SAMPLING_CHECKS,  # temperature_mismatch, truncated_support (metrics.sampling_checks)
 )
 PLACEHOLDER_OTHER_BELOW = math.log(0.5)  # the other side below ln 0.5: not a near-certain token
 PLACEHOLDER_ERROR_SHARE = 0.01  # an error at or above 1% of the valid tokens
@@ -169,6 +173,7 @@ class IntegrityAccumulator:
         self.positive_max = 0.0
         self.shift_sum = dict.fromkeys(SHIFTS, 0.0)
         self.shift_n = dict.fromkeys(SHIFTS, 0)
+        self.sampling = SamplingAccumulator()  # the misaligned-settings checks
 
     def update(self, seq: np.ndarray, pos: np.ndarray, train: np.ndarray, rollout: np.ndarray,
                valid: np.ndarray, flip: np.ndarray) -> None:  # fmt: skip
@@ -195,6 +200,7 @@ class IntegrityAccumulator:
             dummy = ((train == 0.0) & (rollout < low)) | ((rollout == 0.0) & (train < low))
             self._flag("placeholder", finite & dummy, seg)
         self._shift(seg, pos, train, rollout, finite)
+        self.sampling.update(seg, train, rollout, finite)
 
     def _flag(self, name: str, hit: np.ndarray, seg: np.ndarray) -> None:
         self.counts[name] += int(hit.sum())
@@ -233,6 +239,8 @@ class IntegrityAccumulator:
         """The findings of everything seen, errors first."""
         out = [f for f in (self._nonfinite(), self._positive(), self._placeholder(),
                            self._shifted(), self._copies(ingested)) if f is not None]  # fmt: skip
+        out += [Finding(f["check"], ERROR, f["tokens"], f["sequences"], f["message"])
+                for f in self.sampling.findings()]  # fmt: skip
         return sorted(out, key=lambda f: (f.severity != ERROR, CHECKS.index(f.check)))
 
     def _nonfinite(self) -> Finding | None:
