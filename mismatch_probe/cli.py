@@ -36,6 +36,7 @@ from mismatch_probe.options import (
     ChatOpt,
     CompareOutOpt,
     ConvertAgainOpt,
+    ExactOpt,
     ExitOnAlertOpt,
     ExportOutOpt,
     ExportPathOpt,
@@ -346,6 +347,7 @@ def check(
     step: StepOpt = None,
     setting: SettingsOpt = None,
     accept: AcceptOpt = None,
+    exact: ExactOpt = False,
 ) -> None:
     """Check data integrity, metric bounds, and growth over a baseline run (for CI).
 
@@ -369,6 +371,7 @@ def check(
         step,
         setting,
         accept,
+        exact,
     )
     result = gate(cfg)
     render_gate(result, _stdout_console())

@@ -229,6 +229,17 @@ AcceptOpt = Annotated[
     ),
 ]
 
+ExactOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exact",
+        metavar="",
+        rich_help_panel=BOUNDS,
+        help="Fail (exit 1) unless the two sides are bitwise equal: parity/mismatch_count is 0 "
+        "(for engines that claim batch invariance); names the first differing token.",
+    ),
+]
+
 ModelOpt = Annotated[
     Path | None,
     typer.Option(

@@ -179,3 +179,18 @@ def test_matrix_plots_show_every_series(matrix: Any, monkeypatch: pytest.MonkeyP
     publish(*load_report(matrix.out_dir))
     overlays = {f"compare_{kind}.png" for kind in ("ratio_hist", "position", "f_tau")}
     check_all(figures, overlays | {"f_tau.png", "position.png", "ratio_hist.png"})
+
+
+def test_the_sampling_checks_are_silent_on_every_setting(matrix: Any) -> None:
+    """``temperature_mismatch`` and ``truncated_support`` (both sides share their settings in
+    a scan): no finding on the run, nor on any setting's tokens alone."""
+    from mismatch_probe.metrics.integrity import IntegrityAccumulator, _columns
+    from mismatch_probe.metrics.sampling_checks import SAMPLING_CHECKS
+
+    found = json.loads((matrix.out_dir / "integrity.json").read_text())["findings"]
+    assert not {f["check"] for f in found} & set(SAMPLING_CHECKS)
+    tokens = pq.read_table(matrix.out_dir / store.TOKENS_FILE)
+    for setting in matrix.settings:
+        acc = IntegrityAccumulator()
+        acc.update(*_columns(tokens.filter(pc.equal(tokens.column("setting"), setting))))
+        assert acc.sampling.n > 100 and acc.sampling.findings() == [], setting

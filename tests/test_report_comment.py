@@ -110,6 +110,7 @@ def test_run_comment_parses_and_model_text_stays_in_its_cell(hostile_run: Path) 
         "Verdicts",
         "Key metrics",
         "Threshold sweep",
+        "Parity block",
         "Log-ratio histogram",
         "Worst tokens",
     ]

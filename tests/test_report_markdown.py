@@ -126,6 +126,7 @@ def test_sections_and_collapsible_metrics(rendered) -> None:
         "## Verdicts",
         "## Key metrics",
         "### What each correction preset would do",
+        "## Parity block",
         "## Threshold sweep",
         "## Plots",
         "## Worst tokens",

@@ -13,6 +13,9 @@ Before any bound, the gate takes the run's data integrity (``rundir.integrity``,
 the store; one step's with ``--step``): an error finding fails it unless ``--accept`` names its
 check.
 
+``--exact`` (``ParityResult``): each gated setting's ``parity/mismatch_count`` (metrics spec
+section 9) must be 0; a failing one names its first differing token, read from the store.
+
 Noise: for the metrics of ``bootstrap.TERMS`` (``k3_kl``, ``chi2_token``, ``kl``, ``f_tau_2``,
 ...), when both runs have at least ``bootstrap.MIN_SEQUENCES`` sequences, the gate bootstraps
 the excess ``head - F * base`` (or ``head - base - A``) over sequences and fails only when its
@@ -180,6 +183,21 @@ class SettingGate:
 
 
 @dataclass(frozen=True)
+class ParityResult:
+    """``--exact`` on one setting: the parity block's counts and the first differing token
+    (``parity.first_mismatch``'s record; None when the two sides are bitwise equal)."""
+
+    setting: str | None
+    token_count: int
+    mismatch_count: int
+    first: dict[str, Any] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.mismatch_count == 0
+
+
+@dataclass(frozen=True)
 class Gate:
     """Everything ``probe check`` evaluated: one ``SettingGate`` per setting gated."""
 
@@ -189,6 +207,7 @@ class Gate:
     integrity: Integrity | None = None  # the run's data-integrity findings
     step: int | None = None  # the training step checked (--step), None for the whole run
     accepted: tuple[str, ...] = ()  # integrity checks accepted with --accept
+    parity: tuple[ParityResult, ...] = ()  # --exact, one per setting gated
 
     @property
     def integrity_errors(self) -> list[Finding]:
@@ -207,7 +226,8 @@ class Gate:
 
     @property
     def passed(self) -> bool:
-        return all(s.passed for s in self.settings) and not self.integrity_errors
+        exact = all(p.passed for p in self.parity)
+        return all(s.passed for s in self.settings) and not self.integrity_errors and exact
 
 
 def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
@@ -292,7 +312,52 @@ def gate(cfg: CheckConfig) -> Gate:
         if checked.integrity_errors:  # e.g. NaN log-probs: no metrics, but the finding says why
             return checked
         raise
-    return replace(bounds, integrity=checked.integrity, step=checked.step, accepted=cfg.accept)
+    result = replace(bounds, integrity=checked.integrity, step=checked.step, accepted=cfg.accept)
+    if cfg.exact:
+        result = replace(result, parity=_exact(cfg, head_settings, checked.step))
+    return result
+
+
+def _exact(
+    cfg: CheckConfig, settings: list[str | None], step: int | None
+) -> tuple[ParityResult, ...]:
+    """``--exact``: the parity block of each setting (of ``step``), and where a count is not 0
+    the first differing token of that setting's (and step's) rows."""
+    out = []
+    for setting in settings:
+        metrics = (
+            _step_metrics(cfg.run_dir, cfg.step) if cfg.step else _metrics(cfg.run_dir, setting)
+        )
+        if "parity/mismatch_count" not in metrics:
+            raise ProbeError(
+                f"{cfg.run_dir.name}: its metrics have no parity block (an older probe wrote "
+                f"them): run probe report {cfg.run_dir.name} first"
+            )
+        count = int(metrics["parity/mismatch_count"])
+        first = _first_mismatch(cfg.run_dir, setting, step) if count else None
+        out.append(ParityResult(setting, int(metrics["parity/token_count"]), count, first))
+    return tuple(out)
+
+
+def _first_mismatch(run_dir: Path, setting: str | None, step: int | None) -> dict[str, Any] | None:
+    """The first differing token of the rows of ``setting`` and ``step`` (None: all)."""
+    from mismatch_probe.metrics.parity import first_mismatch
+
+    tokens = store.resolve_tokens_path(run_dir)
+    names = store.open_parquet(tokens).schema_arrow.names
+    keep = {"setting": setting, store.STEP_COLUMN: step}
+    keep = {c: v for c, v in keep.items() if v is not None and c in names}
+    columns = [*store.METRIC_COLUMNS, *keep]
+
+    def tables() -> Any:
+        import pyarrow.compute as pc
+
+        for table in store.iter_sequence_batches(tokens, columns):
+            for name, value in keep.items():
+                table = table.filter(pc.equal(table.column(name), value))
+            yield table
+
+    return first_mismatch(tables())
 
 
 def _gate_bounds(

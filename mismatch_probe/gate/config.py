@@ -32,6 +32,7 @@ class CheckConfig:
         step: one training step of an ingested run (``"last"`` or a number), or None.
         settings: the settings of a matrix run to gate (``--setting``); () means every one.
         accept: integrity checks whose error findings do not fail the gate (``--accept``).
+        exact: fail unless ``parity/mismatch_count`` is 0 (``--exact``; a bound of its own).
     """
 
     run_dir: Path
@@ -43,6 +44,7 @@ class CheckConfig:
     step: str | None = None
     settings: tuple[str, ...] = ()
     accept: tuple[str, ...] = ()
+    exact: bool = False
 
     def __post_init__(self) -> None:
         for name in self.accept:
@@ -56,8 +58,10 @@ class CheckConfig:
             raise ProbeError(
                 f"--significance {self.level:g}: a confidence level in (0, 1), e.g. 0.95"
             )
-        if not self.bounds and not self.increases:
-            raise ProbeError("no bound given: use --max METRIC=VALUE and/or --min METRIC=VALUE")
+        if not self.bounds and not self.increases and not self.exact:
+            raise ProbeError(
+                "no bound given: use --max METRIC=VALUE and/or --min METRIC=VALUE (or --exact)"
+            )
         if self.step is not None and self.baseline is not None:
             raise ProbeError(
                 "--step checks one training step's bounds; it does not take --baseline"
@@ -76,6 +80,7 @@ class CheckConfig:
         step: str | None = None,
         settings: list[str] | None = None,
         accept: list[str] | tuple[str, ...] | None = None,
+        exact: bool = False,
     ) -> CheckConfig:
         """The config of the command line's options (raw ``METRIC=VALUE`` strings)."""
         parsed = tuple(parse_increase(s) for s in increases or [])
@@ -90,4 +95,5 @@ class CheckConfig:
             step=step,
             settings=tuple(dict.fromkeys(settings or [])),
             accept=tuple(dict.fromkeys(accept or [])),
+            exact=exact,
         )

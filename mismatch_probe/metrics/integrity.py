@@ -27,6 +27,8 @@ memory bounded by a batch plus fixed-size counts per training step):
 * ``mask_rule``: a format-specific mask the ingest reader could not apply (run metadata
   ``mask_rules``: ``[{"rule", "applied", "detail"}]``): a warning; the masks it applied are
   listed beside the findings (``masks_applied``), not as findings.
+* ``temperature_mismatch`` and ``truncated_support``: the misaligned sampling settings, in
+  ``metrics.sampling_checks`` (fed here, batch by batch, by ``IntegrityAccumulator.update``).
 
 **Partial faults count** (spec section 8, amended): a check fires when it holds pooled, or on at
 least 5% of the valid sequences (at least 2: ``IntegrityAccumulator.partial``), or in any step
@@ -59,6 +61,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.metrics.batch import LOGPROB_FLOOR
+from mismatch_probe.metrics.sampling_checks import SAMPLING_CHECKS, SamplingAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
     STEP_COLUMN,
@@ -76,6 +79,7 @@ CHECKS = (
     "positive_logprob",
     "nonfinite_logprob",
     "mask_rule",
+    *SAMPLING_CHECKS,  # temperature_mismatch, truncated_support (metrics.sampling_checks)
 )
 PLACEHOLDER_OTHER_BELOW = math.log(0.5)  # the other side below ln 0.5: not a near-certain token
 PLACEHOLDER_ERROR_SHARE = 0.01  # an error at or above 1% of the valid tokens
@@ -225,6 +229,7 @@ class IntegrityAccumulator:
         self.held_sum = dict.fromkeys(SHIFTS, 0.0)  # over the interior tokens of shifted seqs
         self.held_n = 0
         self.copied_tokens = 0  # the valid tokens of the sequences copied throughout
+        self.sampling = SamplingAccumulator()  # the misaligned-settings checks
 
     def update(self, seq: np.ndarray, pos: np.ndarray, train: np.ndarray, rollout: np.ndarray,
                valid: np.ndarray, flip: np.ndarray) -> None:  # fmt: skip
@@ -263,6 +268,7 @@ class IntegrityAccumulator:
             dummy = ((train == 0.0) & (rollout < low)) | ((rollout == 0.0) & (train < low))
             self._flag("placeholder", finite & dummy, seg)
         self._shift(seg, pos, train, rollout, finite)
+        self.sampling.update(seg, train, rollout, finite)
 
     def _flag(self, name: str, hit: np.ndarray, seg: np.ndarray) -> None:
         self.counts[name] += int(hit.sum())
@@ -314,6 +320,9 @@ class IntegrityAccumulator:
         out = [f for f in (self._nonfinite(), self._positive(), self._implausible(),
                            self._placeholder(), self._shifted(),
                            self._copies(ingested)) if f is not None]  # fmt: skip
+        out += [Finding(f["check"], ERROR, f["tokens"], f["sequences"], f["message"],
+                        self.share(f["sequences"]))
+                for f in self.sampling.findings()]  # fmt: skip
         return sorted(out, key=_order)
 
     def _token_finding(self, check: str, name: str, severity: str, text: str) -> Finding:

@@ -39,6 +39,7 @@ SOURCES: dict[str, str] = {
     "probability correlation, the MoE routing-replay paper's F(tau), the FP16-vs-BF16 paper's "
     "length slope, IPO / prime-rl's DPPO probability mask)",
     "ours": "mismatch_probe's own",
+    "UniRL": "UniRL's fail-closed parity block (UniRL#430/#431), same names",
 }
 
 # Placeholder -> the values it stands for, each written as it is in a key.
@@ -415,6 +416,34 @@ NAMES: tuple[MetricName, ...] = (
     ),
     MetricName(
         "rest_abs_log_ratio_mean", "mean `abs(r)` over every other valid token", "ours", _OTHER
+    ),
+    # the parity block (spec 9): a fixed contract, UniRL's names
+    MetricName("parity/token_count", "valid tokens", "UniRL", _OTHER),
+    MetricName(
+        "parity/torch_equal_fp32",
+        "1.0 when every valid token's two log-probs are bitwise equal in float32, else 0.0",
+        "UniRL",
+        _OTHER,
+    ),
+    MetricName(
+        "parity/mismatch_count",
+        "valid tokens whose float32 log-probs differ (`probe check --exact` fails on any)",
+        "UniRL",
+        _OTHER,
+    ),
+    MetricName(
+        "parity/max_absdiff_fp32",
+        "max `abs(train_lp - rollout_lp)` over valid tokens, in float32",
+        "UniRL",
+        _OTHER,
+    ),
+    MetricName("parity/k3_mean", "`k3_kl`, under its name in the block", "UniRL", _OTHER),
+    MetricName(
+        "parity/k3_max",
+        "the largest per-token `exp(r) - r - 1` (the terms whose mean is `k3_kl`); capped on "
+        "overflow like `k3_kl`",
+        "UniRL",
+        _OTHER,
     ),
     # --- 7. from numbers to decisions -------------------------------------------------------
     MetricName(

@@ -23,11 +23,23 @@ Worked example (the spec's): one token, ``rollout_lp = -5``, ``train_lp = -15``,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mmean
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, first_rows, per_batch, seg_mean
-from mismatch_probe.metrics.offpolicy import k3_terms
+from mismatch_probe.metrics.batch import (
+    LOGPROB_FLOOR,
+    TokenBatch,
+    clamp_b,
+    first_rows,
+    per_batch,
+    seg_mean,
+)
+from mismatch_probe.metrics.offpolicy import batch_k3, k3_terms
 
 DIFFERENT_ABS_LOG_RATIO = 1e-6  # TorchTitan's bitwise-parity threshold on |r|
 NEMO_MULT_PROB_ERROR_LIMIT = 1.05  # NeMo-RL docs, "Adding New Models", expected error threshold
@@ -99,3 +111,94 @@ class ParityAccumulator:
 
 def _mean(total: float, count: int) -> float:
     return total / count if count else 0.0
+
+
+# --- the parity block (metrics spec section 9) --------------------------------------------------
+
+PARITY_PREFIX = "parity/"
+# UniRL's names (UniRL#430/#431), in the order of their fixed block.
+PARITY_KEYS = tuple(
+    PARITY_PREFIX + name
+    for name in (
+        "token_count",
+        "torch_equal_fp32",
+        "mismatch_count",
+        "max_absdiff_fp32",
+        "k3_mean",
+        "k3_max",
+    )
+)
+
+
+class ParityBlockAccumulator:
+    """Streams the parity block, over valid tokens, both log-probs cast to float32 (the store's
+    own type, so the cast is exact for a stored value):
+
+    * ``parity/token_count``: valid tokens; ``parity/mismatch_count``: those whose two float32
+      log-probs differ; ``parity/torch_equal_fp32``: 1.0 when none does, else 0.0;
+    * ``parity/max_absdiff_fp32``: max ``|train_lp - rollout_lp|``, the difference in float32;
+    * ``parity/k3_mean``: ``k3_kl`` (the same sums, so the same value bit for bit);
+      ``parity/k3_max``: the largest per-token ``exp(r) - r - 1``, capped like ``k3_kl``.
+
+    The log-probs are the metric engine's (``-inf`` and anything below it read as the -9999
+    floor); ``first_mismatch`` reads the store itself for the first differing token.
+    """
+
+    def __init__(self) -> None:
+        self.mismatches = 0
+        self.max_absdiff = 0.0
+        self.k3_max = 0.0
+        self.sum_k3 = 0.0
+
+    def update(self, b: TokenBatch) -> None:
+        m = b.m
+        train, rollout = b.train[m].astype(np.float32), b.rollout[m].astype(np.float32)
+        self.mismatches += int((train != rollout).sum())
+        if len(train):
+            self.max_absdiff = max(self.max_absdiff, float(np.abs(train - rollout).max()))
+            k3 = batch_k3(b, None)[m]
+            self.k3_max = max(self.k3_max, float(k3.max()))
+            self.sum_k3 += float(k3.sum())  # as OffPolicyAccumulator sums it
+
+    def merge(self, other: ParityBlockAccumulator) -> None:
+        merge_sums(self, other, ("mismatches", "sum_k3"))
+        self.max_absdiff = max(self.max_absdiff, other.max_absdiff)
+        self.k3_max = max(self.k3_max, other.k3_max)
+
+    def scalars(self, counts: Counts) -> dict[str, float]:
+        values = (
+            counts.tokens,
+            float(self.mismatches == 0),
+            self.mismatches,
+            self.max_absdiff,
+            capped(mmean(self.sum_k3, counts.tokens))[0],
+            capped(self.k3_max)[0],
+        )
+        return {key: float(v) for key, v in zip(PARITY_KEYS, values, strict=True)}
+
+
+def first_mismatch(tables: Iterable[pa.Table]) -> dict[str, Any] | None:
+    """The first valid token (in store order) whose float32 log-probs differ, read as the
+    metric engine reads them (the -9999 floor): ``{seq_id, position, train_logprob,
+    rollout_logprob}``, or None. ``tables``: batches with ``seq_id``, ``position``,
+    ``train_logprob`` and ``rollout_logprob`` (a null on either side marks padding)."""
+    for table in tables:
+        valid = np.ones(table.num_rows, dtype=bool)
+        sides = []
+        for name in ("train_logprob", "rollout_logprob"):
+            col = table.column(name)
+            if col.null_count:
+                valid &= ~pc.is_null(col).to_numpy(zero_copy_only=False)
+            x = pc.cast(col, pa.float32()).to_numpy(zero_copy_only=False)
+            with np.errstate(invalid="ignore"):
+                sides.append(np.where(x < LOGPROB_FLOOR, np.float32(LOGPROB_FLOOR), x))
+        rows = np.flatnonzero(valid & (sides[0] != sides[1]))
+        if len(rows):
+            i = int(rows[0])
+            return {
+                "seq_id": int(table.column("seq_id")[i].as_py()),
+                "position": int(table.column("position")[i].as_py()),
+                "train_logprob": float(sides[0][i]),
+                "rollout_logprob": float(sides[1][i]),
+            }
+    return None

@@ -38,7 +38,7 @@ from mismatch_probe.metrics.diagnostics import DiagnosticsAccumulator
 from mismatch_probe.metrics.entropy import EntropyAccumulator
 from mismatch_probe.metrics.offpolicy import OffPolicyAccumulator
 from mismatch_probe.metrics.outliers import OutlierAccumulator
-from mismatch_probe.metrics.parity import ParityAccumulator
+from mismatch_probe.metrics.parity import ParityAccumulator, ParityBlockAccumulator
 from mismatch_probe.metrics.preset_metrics import PresetAccumulator
 from mismatch_probe.metrics.rejection import RSAccumulator
 from mismatch_probe.metrics.turns import (
@@ -138,6 +138,7 @@ class MetricEngine:
             parts.append(RSAccumulator(config.rs_specs))
         parts += [OffPolicyAccumulator(), ParityAccumulator(), self.diagnostics, self.curves]
         parts += [self.decisions, self.outliers, self.entropy]
+        parts.append(ParityBlockAccumulator())  # the parity block (spec 9)
         parts += [PresetAccumulator(p) for p in config.preset_specs]
         self.parts = parts
         self.turns = TurnAccumulator()

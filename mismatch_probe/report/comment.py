@@ -28,6 +28,7 @@ from mismatch_probe.report.markdown import (
     escape,
     key_metrics_section,
     num,
+    parity_section,
     presets_section,
     settings_section,
     table,
@@ -234,6 +235,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         *top,
         ("Verdicts", titled("Verdicts", verdict_section(verdicts))),
         ("Key metrics", titled("Key metrics", key_metrics_section(ctx.metrics))),
+        *[("Parity block", titled("Parity block", p)) for p in [parity_section(ctx.metrics)] if p],
         *[("Per turn", lines) for lines in [turns.section_lines(ctx, "####")] if lines],
         *_tail(ctx),
     ]

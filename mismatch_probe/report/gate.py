@@ -11,7 +11,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from mismatch_probe.gate.baseline import Gate, IncreaseResult
+from mismatch_probe.gate.baseline import Gate, IncreaseResult, ParityResult
 from mismatch_probe.gate.bounds import BoundResult
 from mismatch_probe.report.sections import visible
 
@@ -55,6 +55,24 @@ def increase_line(res: IncreaseResult) -> Text:
     return head
 
 
+def parity_line(res: ParityResult) -> Text:
+    """``✔ PASS  exact: 0 of 1,536 tokens differ (parity/mismatch_count)`` or the failure with
+    the first differing token (``seq_id``, ``position``, both log-probs)."""
+    where = f" (setting {visible(res.setting)})" if res.setting is not None else ""
+    head = Text("✔ PASS  ", style="green") if res.passed else Text("✘ FAIL  ", style="bold red")
+    head.append(
+        f"exact{where}: {res.mismatch_count:,} of {res.token_count:,} tokens differ in float32 "
+        "(parity/mismatch_count)"
+    )
+    if res.first is not None:
+        f = res.first
+        head.append(
+            f"; the first: seq_id {f['seq_id']}, position {f['position']}: train_logprob "
+            f"{f['train_logprob']!r}, rollout_logprob {f['rollout_logprob']!r}"
+        )
+    return head
+
+
 def render_gate(gate: Gate, console: Console) -> None:
     """The data integrity first, the baseline and what differs (if anything), one line per
     bound (under a heading per setting for a matrix run), and a summary naming each failing
@@ -79,6 +97,8 @@ def render_gate(gate: Gate, console: Console) -> None:
             console.print(Text(indent) + increase_line(inc), highlight=False)
         if one.note:
             console.print(Text(f"{indent}· {one.note}", style="dim"), highlight=False)
+    for par in gate.parity:
+        console.print(parity_line(par), highlight=False, soft_wrap=True)
     console.print(summary_line(gate), highlight=False)
 
 
@@ -87,10 +107,15 @@ def summary_line(gate: Gate) -> str:
     each failing setting with its failing metrics; then the integrity errors that fail."""
     results: list[BoundResult | IncreaseResult] = [*gate.bounds, *gate.increases]
     failed = sum(not r.passed for r in results)
+    differ = sum(p.mismatch_count for p in gate.parity)
+    exact = ""
+    if gate.parity:
+        plural = "s" if differ != 1 else ""
+        exact = f"exact: {differ:,} differing token{plural}" if differ else "exact: bitwise equal"
     if not results:
-        text = "no bound evaluated (the metrics cannot be computed)"
+        text = exact or "no bound evaluated (the metrics cannot be computed)"
     else:
-        text = _bounds_summary(gate, failed, len(results))
+        text = _bounds_summary(gate, failed, len(results)) + (f"; {exact}" if exact else "")
     if gate.integrity_errors:
         names = ", ".join(dict.fromkeys(f.check for f in gate.integrity_errors))
         text += f"; integrity error: {names} (--accept CHECK if it is known and harmless)"

@@ -64,6 +64,20 @@ def key_metrics_section(metrics: dict[str, float]) -> list[str]:
     return ["## Key metrics", "", *table(["metric", "value", "meaning"], rows, "lrl"), ""]
 
 
+def parity_section(metrics: dict[str, float]) -> list[str]:
+    """The parity block (metrics spec section 9) under UniRL's names; [] without one."""
+    from mismatch_probe.metrics.parity import PARITY_KEYS
+
+    rows = [[f"`{k}`", num(k, metrics[k])] for k in PARITY_KEYS if k in metrics]
+    if not rows:
+        return []
+    intro = (
+        "Over valid tokens, both log-probs in float32, under UniRL's names (UniRL#430/#431); "
+        "`probe check --exact` fails when `parity/mismatch_count` is above 0."
+    )
+    return ["## Parity block", "", intro, "", *table(["metric", "value"], rows, "lr"), ""]
+
+
 def presets_section(ctx: RunContext) -> list[str]:
     rows = [
         [f"`{name}`", escape(correction), *(f"{v:.{MD_DIGITS}g}" for v in values)]
@@ -142,6 +156,7 @@ def render_markdown(
         *verdict_section(evaluate(ctx.metrics)),
     ]
     lines += key_metrics_section(ctx.metrics) + presets_section(ctx)
+    lines += parity_section(ctx.metrics)
     lines += decisions.sweep_md(ctx.tables)
     lines += plots_section(plots, base) + worst_section(ctx.worst)
     lines += decisions.outliers_md(ctx) + decisions.entropy_md(ctx)

@@ -12,6 +12,7 @@ from typing import Any
 
 from mismatch_probe.errors import printable
 from mismatch_probe.metrics.integrity import POSITIVE_ABOVE
+from mismatch_probe.metrics.parity import PARITY_KEYS
 from mismatch_probe.metrics.presets import PRESET_COLUMNS, PRESET_PREFIX
 
 # (key, what it means) for the key-metrics table of report.md and the rows of `probe compare`.
@@ -108,6 +109,7 @@ def metric_groups(metrics: dict[str, float]) -> list[tuple[str, list[str]]]:
         ("Importance sampling", IMPORTANCE_SAMPLING),
         ("Rejection sampling", rejection_keys(metrics)),
         ("Extra diagnostics", DIAGNOSTICS),
+        ("Parity block", PARITY_KEYS),  # metrics spec section 9, UniRL's names
     )
     out = [(title, [k for k in keys if k in metrics]) for title, keys in groups]
     return [(title, keys) for title, keys in out if keys]

@@ -33,4 +33,22 @@ def parity_metrics(d: Dense) -> dict[str, float]:
         "ratio_tokens_different": float(mmean((abs_r > 1e-6).astype(float), m)),
         "first_token_abs_log_ratio_mean": float(abs_r[first].mean()) if first.any() else 0.0,
         "rest_abs_log_ratio_mean": float(abs_r[rest].mean()) if rest.any() else 0.0,
+        **parity_block(d),
+    }
+
+
+def parity_block(d: Dense) -> dict[str, float]:
+    """The parity block (spec section 9) over every valid token at once."""
+    valid = d.m > 0
+    train, rollout = (np.asarray(x)[valid].astype(np.float32) for x in (d.train, d.rollout))
+    with np.errstate(over="ignore"):
+        k3 = np.expm1(d.r) - d.r
+    differ = int((train != rollout).sum())
+    return {
+        "parity/token_count": float(valid.sum()),
+        "parity/torch_equal_fp32": float(differ == 0),
+        "parity/mismatch_count": float(differ),
+        "parity/max_absdiff_fp32": float(np.abs(train - rollout).max()) if valid.any() else 0.0,
+        "parity/k3_mean": capped(float(mmean(k3, d.m)))[0],
+        "parity/k3_max": capped(float(k3[valid].max()))[0] if valid.any() else 0.0,
     }
