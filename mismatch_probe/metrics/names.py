@@ -530,6 +530,9 @@ STRUCTURED: dict[str, str] = {
     "per_turn": "multi-turn runs: one row per turn index, `turn, sequences, tokens, k3_kl, kl, "
     "abs_log_ratio_mean, token_mult_prob_error, first_token_abs_log_ratio_mean, "
     "context_tokens_mean` (each the run-level definition restricted to the turn's tokens)",
+    "store": "the token store these metrics were computed from: its row count and each Parquet "
+    "part's size and footer SHA-256 (`store.fingerprint`); a report reuses `metrics.json` only "
+    "while the store still matches",
 }
 
 
