@@ -154,3 +154,23 @@ def test_a_scan_finished_since_the_first_check_is_not_replaced(
     assert code == 2 and f"--out {out} holds a run already (run.json)" in err, err
     assert json.loads((out / store.RUN_FILE).read_text()) == {"theirs": 1}
     assert not (out / store.TOKENS_FILE).exists()
+
+
+def test_a_sharded_store_is_tied_part_by_part(tmp_path: Path) -> None:
+    """A sharded scan's ``tokens/``: each finished shard's part, by its path in the store."""
+    import pyarrow.parquet as pq
+
+    from tests.test_report_fixtures import SETTING, token_table
+
+    folder = tmp_path / store.TOKENS_DIR
+    for shard, r in ((0, 0.01), (1, 0.02)):
+        part = folder / f"shard={shard}" / "part-0.parquet"
+        part.parent.mkdir(parents=True)
+        pq.write_table(token_table(uniform_seqs(r, [3, 4]), SETTING), part)
+        (part.parent / "_SUCCESS").write_text("{}")
+    tie = store_tie(folder)
+    assert tie["rows"] == 14
+    assert [p["path"] for p in tie["parts"]] == ["shard=0/part-0.parquet", "shard=1/part-0.parquet"]
+    assert same_store(tie, folder)
+    pq.write_table(token_table(uniform_seqs(0.03, [3, 4]), SETTING), part)  # shard 1 rewritten
+    assert not same_store(tie, folder)
