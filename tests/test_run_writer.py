@@ -68,3 +68,109 @@ def test_a_fingerprint_sees_a_rewrite_of_equal_size(tmp_path: Path) -> None:
     tie_a, tie_b = (store_tie(r / store.TOKENS_FILE) for r in (a, b))
     assert tie_a["rows"] == tie_b["rows"] and tie_a != tie_b
     assert tie_a == store_tie(a / store.TOKENS_FILE)  # stable
+
+
+# --- one writer per run directory -------------------------------------------------------------
+
+
+def test_two_ingests_into_one_new_out(tmp_path: Path) -> None:
+    """Started at once (two processes): one writes the run, the other is refused in one line
+    (by the lock while the first writes, or by the check under it once the first is done),
+    and the first run is left whole."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.ingest_fixtures import synthetic_steps, write_prime_rl
+
+    src = write_prime_rl(tmp_path / "src", synthetic_steps([1, 2, 3], seqs=2))
+    out = tmp_path / "runs" / "run"
+    probe = Path(sys.executable).with_name("probe")
+    env = {**os.environ, "COLUMNS": "200"}
+    procs = [
+        subprocess.Popen(
+            [str(probe), "ingest", "prime-rl", str(src), "--out", str(out)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    results = [(p.wait(timeout=300), p.stderr.read() if p.stderr else "") for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    err = next(e for code, e in results if code == 2)
+    assert err.count("\n") == 1 and err.startswith("error: --out ") and "Traceback" not in err
+    assert "being written by another probe process" in err or "not an empty directory" in err
+    run = load_run(out)
+    assert run.run["kind"] == "ingest" and run.metrics["num_sequences"] == 6
+    assert not [p for p in out.parent.iterdir() if p.name != out.name]  # nothing left beside
+
+
+def scan_args(model: Path, out: Path) -> list[str]:
+    return ["scan", "--model", str(model), "--num-prompts", "1", "--max-tokens", "2",
+            "--out", str(out)]  # fmt: skip
+
+
+def test_a_scan_into_a_run_being_written_is_refused(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Another writer holds ``--out`` (here this process, through its own descriptor): the
+    scan stops before any engine starts, in one line naming the holder, and writes nothing."""
+    import os
+
+    from mismatch_probe.store.lock import run_lock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with run_lock(out):
+        code, _, err = run_probe(scan_args(tiny_model, out), monkeypatch, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out} is being written by another probe process (pid {os.getpid()}" in err
+    assert sorted(p.name for p in out.iterdir()) == [".probe-lock"]
+
+
+def test_a_scan_finished_since_the_first_check_is_not_replaced(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The second check, under the lock: another scan finished into ``--out`` between this
+    scan's first check and its lock (simulated: run.json appears as the lock is taken)."""
+    import contextlib
+
+    from mismatch_probe.store import lock
+
+    out = tmp_path / "run"
+    taken = lock.run_lock
+
+    @contextlib.contextmanager
+    def finished_meanwhile(run_dir: Path, what: str = "--out") -> Any:
+        (Path(run_dir) / store.RUN_FILE).write_text('{"theirs": 1}')
+        with taken(run_dir, what) as path:
+            yield path
+
+    monkeypatch.setattr(lock, "run_lock", finished_meanwhile)
+    code, _, err = run_probe(scan_args(tiny_model, out), monkeypatch, capsys)
+    assert code == 2 and f"--out {out} holds a run already (run.json)" in err, err
+    assert json.loads((out / store.RUN_FILE).read_text()) == {"theirs": 1}
+    assert not (out / store.TOKENS_FILE).exists()
+
+
+def test_a_sharded_store_is_tied_part_by_part(tmp_path: Path) -> None:
+    """A sharded scan's ``tokens/``: each finished shard's part, by its path in the store."""
+    import pyarrow.parquet as pq
+
+    from tests.test_report_fixtures import SETTING, token_table
+
+    folder = tmp_path / store.TOKENS_DIR
+    for shard, r in ((0, 0.01), (1, 0.02)):
+        part = folder / f"shard={shard}" / "part-0.parquet"
+        part.parent.mkdir(parents=True)
+        pq.write_table(token_table(uniform_seqs(r, [3, 4]), SETTING), part)
+        (part.parent / "_SUCCESS").write_text("{}")
+    tie = store_tie(folder)
+    assert tie["rows"] == 14
+    assert [p["path"] for p in tie["parts"]] == ["shard=0/part-0.parquet", "shard=1/part-0.parquet"]
+    assert same_store(tie, folder)
+    pq.write_table(token_table(uniform_seqs(0.03, [3, 4]), SETTING), part)  # shard 1 rewritten
+    assert not same_store(tie, folder)

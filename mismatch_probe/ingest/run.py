@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.formats import Format, get_format
 from mismatch_probe.ingest.records import IngestConfig
 from mismatch_probe.ingest.writer import Counts, RunStoreWriter
+from mismatch_probe.store.lock import LOCK_FILE, run_lock
 
 VERL_LOG = "verl-log"  # verl's file logger: a trend run (``verl_log``), not a token format
 
@@ -46,8 +47,30 @@ class IngestResult:
 
 
 def check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    """``--out`` does not exist or is empty (a writer's lock file aside)."""
+    if out.exists() and (not out.is_dir() or any(p.name != LOCK_FILE for p in out.iterdir())):
         raise ProbeError(f"--out {out} exists and is not an empty directory; choose a new one")
+
+
+@contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Be the one writer of ``--out`` for the block (``store.lock.run_lock``: a second ingest
+    or scan into it is refused at once), ``check_out`` again under the lock (another writer may
+    have finished there since the first check), and leave no ``--out`` this call created when
+    the block fails."""
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    ok = False
+    try:
+        with run_lock(out):
+            check_out(out)
+            yield
+            ok = True
+    finally:
+        if created and not ok:
+            with suppress(OSError):
+                (out / LOCK_FILE).unlink()
+                out.rmdir()
 
 
 def run_ingest(cfg: IngestConfig) -> IngestResult:
@@ -62,14 +85,16 @@ def run_ingest(cfg: IngestConfig) -> IngestResult:
         )
     if not cfg.path.exists():
         raise ProbeError(f"{cfg.path}: no such file or directory")
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
     # A hidden directory beside --out, renamed to it when complete (an empty --out, checked
-    # above, is replaced): an interrupted ingest leaves no run that looks complete.
+    # above and again under the writer's lock, is replaced): an interrupted ingest leaves no
+    # run that looks complete, and a second writer into --out is refused.
     with (
+        writing(cfg.out),
         store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp,
         _named_as(tmp, cfg.out),
     ):
         run, metrics, steps, ctx, timings = _ingest_into(tmp, cfg, fmt)
+        check_out(cfg.out)  # the second check, right before the swap
     return IngestResult(cfg.out, run, metrics, steps, replace(ctx, run_dir=cfg.out), timings)
 
 
@@ -81,12 +106,13 @@ def _ingest_verl_log(cfg: IngestConfig) -> IngestResult:
     check_out(cfg.out)
     if cfg.model is not None:
         raise ProbeError("verl-log holds logged metrics, no tokens: --model has nothing to rescore")
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
     with (
+        writing(cfg.out),
         store.atomic_dir(cfg.out, complete=_never, replace=True) as tmp,
         _named_as(tmp, cfg.out),
     ):
         run, steps = ingest_verl_log(cfg.path, tmp, cfg.steps)
+        check_out(cfg.out)  # the second check, right before the swap
     view = load_trend_run(cfg.out)
     return IngestResult(cfg.out, run, {}, steps, view)
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -201,11 +202,26 @@ def run_scan(cfg: ScanConfig, console: Any) -> ScanResult:
     with timer("prepare"):
         prep = prepare(cfg)
         out = store.writable_dir(prep.out_dir, "--out")  # every check passed: now created
-    timer.announce = phase_lines(console)  # bad input is one line: phases only from here
-    interrupt.writing_to(out, started)
-    with make_progress(console) as progress:
-        record = run_range(cfg, prep, whole_part(out, len(prep.prompts)), timer, progress, console)
-    return finish(cfg, prep, [record], timer)
+    with writer_of(cfg, out):
+        timer.announce = phase_lines(console)  # bad input is one line: phases only from here
+        interrupt.writing_to(out, started)
+        with make_progress(console) as progress:
+            part = whole_part(out, len(prep.prompts))
+            record = run_range(cfg, prep, part, timer, progress, console)
+        return finish(cfg, prep, [record], timer)
+
+
+@contextmanager
+def writer_of(cfg: ScanConfig, out: Path) -> Iterator[None]:
+    """Be the one writer of ``out`` for the block (``store.lock.run_lock``, held until the
+    scan's last file is in place: a second scan or ingest into it is refused at once), and
+    ``check_out`` again under the lock: a scan that finished there since the first check is
+    not replaced without ``--force``."""
+    from mismatch_probe.store.lock import run_lock
+
+    with run_lock(out):
+        check_out(cfg, out, create=False)
+        yield
 
 
 def check_out(cfg: ScanConfig, out: Path, create: bool = True) -> Path:

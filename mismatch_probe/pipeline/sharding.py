@@ -181,7 +181,7 @@ def _reset(out: Path, shard: int) -> None:
 def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
     """``probe scan --shards N [--ray ADDRESS] [--resume]``: plan, record or resume, dispatch
     the pending shards (here or on Ray), then ``scan.finish`` over every shard's record."""
-    from contextlib import nullcontext
+    from contextlib import ExitStack, nullcontext
 
     from mismatch_probe.pipeline import raycluster
     from mismatch_probe.progress import phase_lines
@@ -196,32 +196,34 @@ def run_sharded(cfg: ScanConfig, console: Any) -> ScanResult:
     joined = (
         nullcontext() if ray is None else raycluster.connected(ray, cfg.ray_timeout, cfg.verbose)
     )
-    with joined:
-        with timer("prepare"):
-            store.writable_dir(out, "--out")
-            done = start_or_resume(out, cfg, prep, plan)
-        timer.announce = phase_lines(console)  # bad input is one line: phases only from here
-        pending = [k for k in range(len(plan)) if k not in done]
-        interrupt.resumable(partial(kept_shards, out, len(plan)))
-        if done:
-            console.print(f"resume: shard(s) {sorted(done)} finished, running {pending}")
-        # Workers may start elsewhere (another directory, another node): absolute paths only.
-        worker_cfg = replace(
-            cfg,
-            model=prep.model_dir.resolve(),
-            prompts=prep.prompts_path.resolve(),
-            out=out.resolve(),
-            resume=False,
-        )
-        with timer("shards"):
-            if cfg.ray is not None:
-                raycluster.run_shards(run_shard, worker_cfg, plan, pending, console)
-            else:
-                for k in pending:
-                    run_shard(worker_cfg, k, plan[k], str(out.resolve()))
-                    console.print(f"shard {k} of {len(plan)} done", highlight=False)
-    records = list(dataset.done_shards(out / store.TOKENS_DIR).values())
-    result = scan.finish(cfg, prep, records, timer)
+    with ExitStack() as held:  # the one writer of --out (scan.writer_of) until finish is done
+        with joined:
+            with timer("prepare"):
+                store.writable_dir(out, "--out")
+                held.enter_context(scan.writer_of(cfg, out))
+                done = start_or_resume(out, cfg, prep, plan)
+            timer.announce = phase_lines(console)  # bad input is one line: phases from here
+            pending = [k for k in range(len(plan)) if k not in done]
+            interrupt.resumable(partial(kept_shards, out, len(plan)))
+            if done:
+                console.print(f"resume: shard(s) {sorted(done)} finished, running {pending}")
+            # Workers may start elsewhere (another directory, another node): absolute paths.
+            worker_cfg = replace(
+                cfg,
+                model=prep.model_dir.resolve(),
+                prompts=prep.prompts_path.resolve(),
+                out=out.resolve(),
+                resume=False,
+            )
+            with timer("shards"):
+                if cfg.ray is not None:
+                    raycluster.run_shards(run_shard, worker_cfg, plan, pending, console)
+                else:
+                    for k in pending:
+                        run_shard(worker_cfg, k, plan[k], str(out.resolve()))
+                        console.print(f"shard {k} of {len(plan)} done", highlight=False)
+        records = list(dataset.done_shards(out / store.TOKENS_DIR).values())
+        result = scan.finish(cfg, prep, records, timer)
     interrupt.resumable(None)  # finished: an interrupt from here on keeps nothing of the shards
     return result
 
