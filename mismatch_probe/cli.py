@@ -74,6 +74,7 @@ from mismatch_probe.options import (
     SameTokensOpt,
     SamplesOpt,
     SeedOpt,
+    SelftestOutOpt,
     SettingOpt,
     SettingsOpt,
     SettleOpt,
@@ -552,6 +553,29 @@ def models_tiny(
     from mismatch_probe.models.tiny import build_tiny_model
 
     print(build_tiny_model(out, arch=arch, seed=seed))
+
+
+@app.command(cls=ProbeCommand, epilog=epilog("selftest"))
+def selftest(
+    model: ModelOpt = None,
+    out: SelftestOutOpt = None,
+) -> None:
+    """Prove the detectors fire: one real scan, then each fault of the table injected into a
+    copy of its tokens and passed through the path that would see it.
+
+    Prints each fault with what must catch it and what was seen; exit 0 only when every row
+    holds (the clean control with no finding), 1 otherwise.
+    """
+    from mismatch_probe.report.selftest import render_selftest
+    from mismatch_probe.selftest import run_selftest, work_dir
+
+    console = _stdout_console()
+    with work_dir(out) as work:
+        result = run_selftest(model, work, Console(stderr=True))
+    rows = [(r.fault.name, r.fault.injected, r.fault.expect, r.seen, r.held) for r in result.rows]
+    render_selftest(rows, result.model, result.tokens, console)
+    if not result.passed:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from mismatch_probe.options import PANELS
 # The order of ``probe --help``'s command list: the main command first, the rest as a user meets
 # them. A command missing here is listed after these, in the order it was added.
 COMMAND_ORDER = (
-    "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models"
+    "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models",
+    "selftest",
 )  # fmt: skip
 
 # Command path -> example command lines (each also a command line of a docs page).
@@ -42,6 +43,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "probe check runs/head --baseline runs/base --max-increase k3_kl=1.5x "
         "--max-increase f_tau_2=+0.001",
         "probe check reports/prime-run --max chi2_token=1 --step last",
+        "probe check runs/batch-invariant --exact",
     ),
     "compare": (
         "probe compare reports/demo reports/demo-precision",
@@ -66,6 +68,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     ),
     "models prepare": ("probe models prepare",),
     "models tiny": ("probe models tiny /tmp/tiny-moe --arch qwen3_moe",),
+    "selftest": ("probe selftest", "probe selftest --model /tmp/tiny --out runs/selftest"),
 }
 
 

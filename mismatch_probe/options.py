@@ -229,6 +229,17 @@ AcceptOpt = Annotated[
     ),
 ]
 
+SelftestOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        metavar="DIR",
+        rich_help_panel=OUTPUT,
+        help="Keep the scan and every faulty run directory here (must not exist or be empty; "
+        "default: a temporary directory, removed afterwards).",
+    ),
+]
+
 ExactOpt = Annotated[
     bool,
     typer.Option(

@@ -41,6 +41,7 @@ FIRST = (
     "test_attribution_cli.py",
     "test_identity.py",
     "test_multiturn_scan.py",
+    "test_selftest.py",
 )
 
 TINY_CONTEXT = 512

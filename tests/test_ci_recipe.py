@@ -118,6 +118,8 @@ def test_the_recipe_is_a_workflow_in_the_right_order() -> None:
     assert flow["env"]["MARKER"].startswith("<!--") and "$MARKER" in comment["run"]
     assert "gh api -X PATCH" in comment["run"]  # the comment carrying the marker is updated
     assert "probe check" in steps(flow)[-1]["run"]  # the gate decides the job, last
+    probes = [s for s in steps(flow) if "probe " in s.get("run", "")]
+    assert probes[0]["run"].strip() == "venv/bin/probe selftest"  # the detectors proven first
 
 
 def test_the_recipe_installs_only_the_gate_and_caches_what_is_slow() -> None:
@@ -139,14 +141,14 @@ def test_the_recipe_installs_only_the_gate_and_caches_what_is_slow() -> None:
 def test_every_probe_command_of_the_recipe_parses() -> None:
     flow = load(RECIPE)
     commands = probe_commands(flow, flow["env"])
-    assert [c[0] for c in commands] == ["scan", "scan", "scan", "compare", "check"]
+    assert [c[0] for c in commands] == ["selftest", "scan", "scan", "scan", "compare", "check"]
     for argv in commands:
         parses(argv)
 
 
 def test_both_sides_scan_alike_and_the_gate_values_parse() -> None:
     flow = load(RECIPE)
-    base, base_own_venv, head, compare, check = probe_commands(flow, flow["env"])
+    _, base, base_own_venv, head, compare, check = probe_commands(flow, flow["env"])  # selftest
 
     def without_out(argv: list[str]) -> list[str]:
         i = argv.index("--out")

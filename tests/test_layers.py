@@ -20,6 +20,7 @@ RANKS = {
     "cli": 10, "options": 9,  # the thin layer: options declared once
     "cli_help": 9.5,  # the help around the options: command order, --version, examples
     # the two producers of a run directory, side by side: neither imports the other
+    "selftest": 8,  # probe selftest: a scan (pipeline) and the ingest path, faults injected
     "pipeline": 7,  # the orchestration: scan stages, records, run.json, sharding, Ray, attribution
     "ingest": 7,  # a framework's logs instead of our rollouts
     "export": 6,  # a run's numbers into trackers (reads the run through rundir/; watch calls it)

@@ -116,3 +116,19 @@ def test_the_block_is_in_the_report_and_the_pr_comment(
     code, out, err = run_probe(["metrics", str(run), "--json"], monkeypatch, capsys)
     assert code == 0, err
     assert json.loads(out)["parity/mismatch_count"] == 1
+
+
+def test_exact_on_a_trend_run_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A verl-log trend run has no tokens: ``--exact`` cannot hold there, nor pass silently."""
+    from tests.test_export import _verl_log
+
+    log, out = tmp_path / "exp.jsonl", tmp_path / "trend"
+    _verl_log(log)
+    code, _, err = run_probe(
+        ["ingest", "verl-log", str(log), "--out", str(out)], monkeypatch, capsys
+    )
+    assert code == 0, err
+    code, _, err = run_probe(["check", str(out), "--exact"], monkeypatch, capsys)
+    assert code == 2 and "it has no tokens for --exact" in err

@@ -294,6 +294,8 @@ def gate(cfg: CheckConfig) -> Gate:
     if is_trend_run(run_dir):  # verl-log: the logged metrics of one step, no token store
         if cfg.baseline is not None:
             raise ProbeError(f"{run_dir} is a trend run: it has no tokens for --baseline")
+        if cfg.exact:
+            raise ProbeError(f"{run_dir} is a trend run: it has no tokens for --exact")
         number, results, note = trend_bounds(run_dir, cfg.bounds, cfg.step)
         return Gate((SettingGate(None, results, (), note),), step=number)
     checked = _integrity_gate(run_dir, cfg.step, cfg.accept)
