@@ -20,7 +20,8 @@ from mismatch_probe.options import PANELS
 # The order of ``probe --help``'s command list: the main command first, the rest as a user meets
 # them. A command missing here is listed after these, in the order it was added.
 COMMAND_ORDER = (
-    "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models"
+    "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models",
+    "refit",
 )  # fmt: skip
 
 # Command path -> example command lines (each also a command line of a docs page).
@@ -63,6 +64,11 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "export": (
         "probe export reports/prime-run --to tensorboard --out tb/prime",
         "probe export reports/prime-run --to wandb --wandb-run 1a2b3c4d",
+    ),
+    "refit": (
+        "probe refit --from ckpts/step_100 --to ckpts/step_101 --out runs/refit",
+        "probe refit --from ckpts/step_100 --to ckpts/step_101 --out runs/refit-sleep "
+        "--method sleep-wake",
     ),
     "models prepare": ("probe models prepare",),
     "models tiny": ("probe models tiny /tmp/tiny-moe --arch qwen3_moe",),
