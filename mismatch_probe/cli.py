@@ -294,6 +294,11 @@ def report(
     from mismatch_probe.rundir.trend_run import is_trend_run
 
     check_format(fmt)
+    from mismatch_probe.rundir.refit import is_refit_run
+
+    if is_refit_run(run_dir):  # probe refit: the audit and the links, no token store
+        _report_refit(run_dir, fmt)
+        return
     if is_trend_run(run_dir):  # probe ingest verl-log: the logged trend, no token store
         from mismatch_probe.report.trend_run import render_trend_run, write_trend_report
         from mismatch_probe.rundir.trend_run import load_trend_run
@@ -391,6 +396,18 @@ def check(
     render_gate(result, _stdout_console())
     if not result.passed:
         raise typer.Exit(1)
+
+
+def _report_refit(run_dir: Path, fmt: str) -> None:
+    from mismatch_probe.gate.refit import gate_refit
+    from mismatch_probe.report.refit import refit_comment, render_refit
+    from mismatch_probe.rundir.refit import read_refit
+
+    data = read_refit(run_dir)
+    if fmt == "pr-comment":
+        print(refit_comment(data, gate_refit(data)), end="")
+        return
+    render_refit(data, _stdout_console())
 
 
 def _check_refit(run_dir: Path, max_link: float) -> None:

@@ -8,6 +8,7 @@ side (one more), the tied model runs once (two), the refused method stops at its
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,12 @@ import pytest
 
 from mismatch_probe.engine import refit
 from mismatch_probe.gate.refit import gate_refit
-from mismatch_probe.pipeline.refit import RefitConfig, RefitResult, run_refit
+from mismatch_probe.pipeline.refit import (
+    RefitConfig,
+    RefitResult,
+    perturbed_refit_caught,
+    run_refit,
+)
 from tests.cli_runner import run_probe
 from tests.tolerances import ulp_bound
 
@@ -143,6 +149,27 @@ def test_wrong_refit_named_and_link_large(
     assert not verdict.passed and any("mismatched" in f for f in verdict.failures)
 
 
+def test_perturbed_refit_caught(
+    clean: RefitResult, untied: tuple[Path, Path], prompts: Path, tmp_path: Path
+) -> None:
+    """The selftest row: one tensor of B perturbed in the refit itself is named by the audit."""
+    caught, name = perturbed_refit_caught(_config(*untied, tmp_path, prompts), clean.fresh)
+    assert caught and name.endswith("_proj.weight")
+
+
+def test_sleep_wake_clears_the_cache(
+    clean: RefitResult, untied: tuple[Path, Path], prompts: Path, tmp_path: Path
+) -> None:
+    """sleep-wake on the CPU backend: the worker's sleep is a no-op, but the engine core's sleep
+    (level 1) pauses the scheduler with its prefix cache cleared: nothing stale is read."""
+    cfg = replace(_config(*untied, tmp_path, prompts), method="sleep-wake")
+    data = run_refit(cfg, None, fresh=clean.fresh).data
+    assert data["method"] == "sleep-wake" and data["audit"]["mismatched"] == []
+    assert data["links"]["stale_prefix_cache"]["k3_kl"] == 0.0
+    assert data["links"]["refit"]["k3_kl"] == 0.0
+    assert gate_refit(data).passed
+
+
 def test_check_cli(
     clean: RefitResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -187,3 +214,16 @@ def test_load_weights_refused(
     assert "packs the linear layers" in err and "--method reload" in err
     assert not (out / "refit.json").exists()
     assert set(descendants()) <= before
+
+
+def test_report_and_comment(
+    clean: RefitResult, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    run = clean.path.parent
+    assert "## Refit" in (run / "report.md").read_text()
+    code, out, _ = run_probe(["report", str(run), "--format", "pr-comment"], monkeypatch, capsys)
+    assert code == 0 and out.startswith("### probe refit: failed")
+    assert "- link stale\\_prefix\\_cache" in out and "| refit |" in out  # Markdown-escaped
+    assert str(run) not in out  # no path of this machine
+    code, out, _ = run_probe(["report", str(run)], monkeypatch, capsys)
+    assert code == 0 and "weight audit" in out and "engine_vs_train" in out

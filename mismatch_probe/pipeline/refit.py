@@ -32,6 +32,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import links
 from mismatch_probe.models.checkpoint import check_weights
 from mismatch_probe.prompts import Prompt, encode_prompts, load_prompts
+from mismatch_probe.report.refit import refit_markdown
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import RolloutSetting
 
@@ -251,6 +252,7 @@ def run_refit(
     path = cfg.out / store.REFIT_FILE
     store.writable_dir(cfg.out, "--out")
     store.write_json(path, data)
+    store.write_text(cfg.out / store.REPORT_FILE, refit_markdown(data))
     return RefitResult(data, path, fresh)
 
 
@@ -306,3 +308,35 @@ def _output(cfg: RefitConfig) -> Iterator[None]:
         return
     with process.captured(process.new_log_path(models.cache_dir() / "logs")):
         yield
+
+
+def perturbed_refit_caught(cfg: RefitConfig, fresh: Fresh | None = None) -> tuple[bool, str]:
+    """A selftest row: one weight tensor perturbed in a refit -> caught by the refit audit.
+
+    Runs ``run_refit`` with B's tensor (the one the negative control would choose) perturbed in
+    the refit itself (a reload from a perturbed copy of B), and checks that the audit names it
+    as mismatched (engine and checkpoint name) and that ``probe check`` would fail on it.
+    ``fresh``: a fresh engine's side on the same B (``RefitResult.fresh``), not started again.
+
+    Returns:
+        (caught, the perturbed checkpoint tensor's name).
+    """
+    from mismatch_probe.gate.refit import gate_refit
+
+    chosen: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="probe-selftest-") as tmp:
+
+        def push(llm: Any, path: Path) -> None:
+            if not chosen:  # the refit itself (the control's second refit stays as it is)
+                chosen.append(audit.control_tensor(refit.layout(llm), path))
+                path = audit.perturbed_copy(path, chosen[0], Path(tmp) / "perturbed-b")
+            refit.push(llm, refit.RELOAD, path)
+
+        result = run_refit(cfg, None, push, fresh)
+    name = chosen[0] if chosen else ""
+    mismatched = result.data["audit"]["mismatched"]
+    verdict = gate_refit(result.data)
+    caught = (
+        bool(name) and name in mismatched and any(f.startswith("audit:") for f in verdict.failures)
+    )
+    return caught, name

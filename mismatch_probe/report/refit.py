@@ -11,7 +11,7 @@ from mismatch_probe.gate.refit import RefitGate
 from mismatch_probe.report.md import escape, table
 
 LINK_MEANING = {
-    "stale_prefix_cache": "cache still warm from A vs after reset_prefix_cache",
+    "stale_prefix_cache": "the cache as the refit left it vs after reset_prefix_cache",
     "refit": "refitted engine (cache reset) vs a fresh engine on B",
     "engine_vs_train": "fresh engine on B vs the transformers forward on B",
     "cache_salt": "a cache_salt of B's weight version vs after the reset",
@@ -67,8 +67,11 @@ def render_refit(data: dict[str, Any], console: Any) -> None:
         grid.add_row(*row)
     console.print(grid)
     cached = data.get("cache", {}).get("warm_cached_tokens") or []
+    console.print(f"after the refit, {sum(cached)} prompt tokens of {len(cached)} sequences "
+                  "were read from the prefix cache")  # fmt: skip
     if cached and not any(cached):
-        console.print("no prompt filled a prefix-cache block: the stale cache was not measured")
+        console.print("no cached block was read: the refit cleared the cache, or no prompt is "
+                      "longer than a cache block")  # fmt: skip
 
 
 def refit_markdown(data: dict[str, Any]) -> str:
