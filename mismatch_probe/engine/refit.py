@@ -252,63 +252,88 @@ class Placement:
 
 @dataclass
 class Layout:
-    """The engine's name mapping, read from its model: ``place`` a checkpoint name."""
+    """The engine's name mapping, read from its model (``layout``) for a checkpoint's names:
+    ``place`` a checkpoint name. Plain data, so that it crosses a process boundary."""
 
-    mapper: Any  # the model's hf_to_vllm_mapper (None: names unchanged)
-    splits: dict[str, list[int]]  # fused engine tensor -> its shards' row counts
-    tied: str | None  # the embedding a tied head reads ('' : not tied)
-    experts: bool = False  # the model has fused MoE experts (their own loader mapping)
-    names: set[str] = field(default_factory=set)
+    placements: dict[str, Placement | None]  # checkpoint name -> its place in the engine
+    tied: str = ""  # the embedding a tied head reads ('': not tied)
     head: str = ""  # a tied head's own name (it computes with the embedding apart)
+    experts: bool = False  # the model has fused MoE experts (their own loader mapping)
+    names: set[str] = field(default_factory=set)  # the engine's parameter names
 
     def place(self, name: str) -> Placement | None:
         """The engine tensor (and rows) of checkpoint tensor ``name``; None: not placed."""
-        mapped, shard = name, None
-        if self.mapper is not None:
-            found = self.mapper._map_name_with_shard(name)
-            if found is None:
-                return None
-            mapped, shard = found
-        if self.tied and mapped.startswith("lm_head."):
-            return Placement(self.tied)
-        if mapped not in self.names:
-            return None
-        sizes = self.splits.get(mapped)
-        if shard is None or sizes is None:
-            return Placement(mapped)
-        index = {"q": 0, "k": 1, "v": 2}.get(shard, shard) if isinstance(shard, str) else shard
-        if not isinstance(index, int) or not 0 <= index < len(sizes):
-            return None
-        start = sum(sizes[:index])
-        return Placement(mapped, (start, start + sizes[index]))
+        return self.placements.get(name)
 
 
-def _layout(model: Any) -> Layout:
-    splits: dict[str, list[int]] = {}
-    experts = False
-    for prefix, module in model.named_modules():
-        sizes = getattr(module, "output_partition_sizes", None)
-        if _is_linear(module) and sizes and len(sizes) > 1:
-            splits[f"{prefix}.weight"] = [int(s) for s in sizes]
-            if getattr(module, "bias", None) is not None:
-                splits[f"{prefix}.bias"] = [int(s) for s in sizes]
-        experts = experts or hasattr(module, "w13_weight")
-    config = getattr(model, "config", None)
-    tied = head = ""
-    if getattr(config, "tie_word_embeddings", False):
+@dataclass(frozen=True)
+class _LayoutOf:
+    """The worker side of ``layout``: the model's mapping applied to ``names`` (picklable)."""
+
+    names: tuple[str, ...]
+
+    def __call__(self, model: Any) -> dict[str, Any]:
+        splits: dict[str, list[int]] = {}
+        experts = False
+        tied = head = ""
+        tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         for prefix, module in model.named_modules():
-            if prefix.endswith("embed_tokens") and not tied:
+            sizes = getattr(module, "output_partition_sizes", None)
+            if _is_linear(module) and sizes and len(sizes) > 1:
+                for local in ("weight", "bias"):
+                    if getattr(module, local, None) is not None:
+                        splits[f"{prefix}.{local}"] = [int(n) for n in sizes]
+            experts = experts or hasattr(module, "w13_weight")
+            if tie and prefix.endswith("embed_tokens") and not tied:
                 tied = f"{prefix}.weight"
-            if _is_head(module) and not head:
+            if tie and _is_head(module) and not head:
                 head = f"{prefix}.weight"
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    names = {n for n, _ in model.named_parameters()}
-    return Layout(mapper, splits, tied, experts, names, head)
+        names = {n for n, _ in model.named_parameters()}
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        placed = {n: _place(n, mapper, splits, tied, names) for n in self.names}
+        return {"placements": placed, "tied": tied, "head": head, "experts": experts,
+                "names": sorted(names)}  # fmt: skip
 
 
-def layout(llm: Any) -> Layout:
-    """The engine model's name mapping (fused shards, tied head, MoE experts)."""
-    return llm.apply_model(_layout)[0]  # type: ignore[no-any-return]
+def _place(
+    name: str, mapper: Any, splits: dict[str, list[int]], tied: str, names: set[str]
+) -> list[Any] | None:
+    """``[engine name, start, stop]`` (start -1: the whole tensor) of a checkpoint name."""
+    mapped, shard = name, None
+    if mapper is not None:
+        found = mapper._map_name_with_shard(name)
+        if found is None:
+            return None
+        mapped, shard = found
+    if tied and mapped.startswith("lm_head."):
+        return [tied, -1, -1]
+    if mapped not in names:
+        return None
+    sizes = splits.get(mapped)
+    if shard is None or sizes is None:
+        return [mapped, -1, -1]
+    index = {"q": 0, "k": 1, "v": 2}.get(shard, shard) if isinstance(shard, str) else shard
+    if not isinstance(index, int) or not 0 <= index < len(sizes):
+        return None
+    start = sum(sizes[:index])
+    return [mapped, start, start + sizes[index]]
+
+
+def layout(llm: Any, checkpoint: Path) -> Layout:
+    """The engine model's name mapping (fused shards, tied head, MoE experts) for the tensor
+    names of ``checkpoint``."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in checkpoint_files(checkpoint):
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    raw = llm.apply_model(_LayoutOf(tuple(names)))[0]
+    placements = {
+        n: None if p is None else Placement(p[0], None if p[1] < 0 else (p[1], p[2]))
+        for n, p in raw["placements"].items()
+    }
+    return Layout(placements, raw["tied"], raw["head"], bool(raw["experts"]), set(raw["names"]))
 
 
 # --- scoring that reads the prefix cache ----------------------------------------------------

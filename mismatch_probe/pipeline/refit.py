@@ -200,7 +200,7 @@ def run_refit(
             with interrupt.stage("generation"):
                 rollouts = rollout.generate(llm, encoded, spec, 1)
             sequences = [[*r.prompt_ids, *r.response_ids] for r in rollouts]
-            layout = refit.layout(llm)
+            layout = refit.layout(llm, cfg.to_ckpt)
             push_start = time.perf_counter()
             do_push(llm, cfg.to_ckpt)
             timings["push"] = time.perf_counter() - push_start
@@ -328,7 +328,7 @@ def perturbed_refit_caught(cfg: RefitConfig, fresh: Fresh | None = None) -> tupl
 
         def push(llm: Any, path: Path) -> None:
             if not chosen:  # the refit itself (the control's second refit stays as it is)
-                chosen.append(audit.control_tensor(refit.layout(llm), path))
+                chosen.append(audit.control_tensor(refit.layout(llm, path), path))
                 path = audit.perturbed_copy(path, chosen[0], Path(tmp) / "perturbed-b")
             refit.push(llm, refit.RELOAD, path)
 
