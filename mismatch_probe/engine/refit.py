@@ -35,6 +35,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,7 @@ def _load_weights(llm: Any, path: Path) -> None:
     reason = load_weights_refusal(llm)
     if reason:
         raise RefitError(f"--method load-weights: {reason}")
-    llm.apply_model(_LoadFrom(str(path)))
+    llm.apply_model(partial(_load_from, str(path)))
 
 
 PUSH: dict[str, Callable[[Any, Path], None]] = {
@@ -140,14 +141,9 @@ def _packed_linears(model: Any) -> int:
     return sum(1 for _, m in model.named_modules() if _is_linear(m) and m.weight.numel() == 0)
 
 
-@dataclass(frozen=True)
-class _LoadFrom:
-    """``model.load_weights`` on the tensors of a checkpoint directory (picklable)."""
-
-    path: str
-
-    def __call__(self, model: Any) -> None:
-        model.load_weights(iter_checkpoint(Path(self.path)))
+def _load_from(path: str, model: Any) -> None:
+    """``model.load_weights`` on the tensors of a checkpoint directory (sent as a partial)."""
+    model.load_weights(iter_checkpoint(Path(path)))
 
 
 # --- effective weights ------------------------------------------------------------------------
@@ -266,33 +262,29 @@ class Layout:
         return self.placements.get(name)
 
 
-@dataclass(frozen=True)
-class _LayoutOf:
-    """The worker side of ``layout``: the model's mapping applied to ``names`` (picklable)."""
-
-    names: tuple[str, ...]
-
-    def __call__(self, model: Any) -> dict[str, Any]:
-        splits: dict[str, list[int]] = {}
-        experts = False
-        tied = head = ""
-        tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-        for prefix, module in model.named_modules():
-            sizes = getattr(module, "output_partition_sizes", None)
-            if _is_linear(module) and sizes and len(sizes) > 1:
-                for local in ("weight", "bias"):
-                    if getattr(module, local, None) is not None:
-                        splits[f"{prefix}.{local}"] = [int(n) for n in sizes]
-            experts = experts or hasattr(module, "w13_weight")
-            if tie and prefix.endswith("embed_tokens") and not tied:
-                tied = f"{prefix}.weight"
-            if tie and _is_head(module) and not head:
-                head = f"{prefix}.weight"
-        names = {n for n, _ in model.named_parameters()}
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        placed = {n: _place(n, mapper, splits, tied, names) for n in self.names}
-        return {"placements": placed, "tied": tied, "head": head, "experts": experts,
-                "names": sorted(names)}  # fmt: skip
+def _layout_of(names: tuple[str, ...], model: Any) -> dict[str, Any]:
+    """The worker side of ``layout``: the model's mapping applied to ``names`` (sent as a
+    ``functools.partial``: vLLM pickles it, where a dataclass would go as a plain dict)."""
+    splits: dict[str, list[int]] = {}
+    experts = False
+    tied = head = ""
+    tie = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    for prefix, module in model.named_modules():
+        sizes = getattr(module, "output_partition_sizes", None)
+        if _is_linear(module) and sizes and len(sizes) > 1:
+            for local in ("weight", "bias"):
+                if getattr(module, local, None) is not None:
+                    splits[f"{prefix}.{local}"] = [int(n) for n in sizes]
+        experts = experts or hasattr(module, "w13_weight")
+        if tie and prefix.endswith("embed_tokens") and not tied:
+            tied = f"{prefix}.weight"
+        if tie and _is_head(module) and not head:
+            head = f"{prefix}.weight"
+    params = {n for n, _ in model.named_parameters()}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    placed = {n: _place(n, mapper, splits, tied, params) for n in names}
+    return {"placements": placed, "tied": tied, "head": head, "experts": experts,
+            "names": sorted(params)}  # fmt: skip
 
 
 def _place(
@@ -328,7 +320,7 @@ def layout(llm: Any, checkpoint: Path) -> Layout:
     for file in checkpoint_files(checkpoint):
         with safe_open(str(file), framework="pt") as f:
             names += list(f.keys())
-    raw = llm.apply_model(_LayoutOf(tuple(names)))[0]
+    raw = llm.apply_model(partial(_layout_of, tuple(names)))[0]
     placements = {
         n: None if p is None else Placement(p[0], None if p[1] < 0 else (p[1], p[2]))
         for n, p in raw["placements"].items()
