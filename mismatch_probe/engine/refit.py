@@ -166,7 +166,11 @@ def _linear_weight(module: Any) -> torch.Tensor:
     """``[N, K]`` the weight a linear layer computes with: its output on ``eye(K)`` (no bias)."""
     import torch
 
-    k = int(getattr(module, "input_size_per_partition", 0) or module.weight.shape[-1])
+    k = int(
+        getattr(module, "input_size_per_partition", 0)
+        or getattr(module, "input_size", 0)  # ReplicatedLinear (an MoE router)
+        or module.weight.shape[-1]
+    )
     dtype = module.weight.dtype
     parts = []
     with torch.inference_mode():
