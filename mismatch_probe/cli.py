@@ -46,6 +46,7 @@ from mismatch_probe.options import (
     ForceOpt,
     FormatArg,
     FormatOpt,
+    FromCkptOpt,
     IngestModelOpt,
     IngestOutOpt,
     IntervalOpt,
@@ -55,6 +56,7 @@ from mismatch_probe.options import (
     LogprobsModeOpt,
     MaxBoundOpt,
     MaxIncreaseOpt,
+    MaxLinkOpt,
     MaxTokensOpt,
     MinBoundOpt,
     ModelOpt,
@@ -67,6 +69,12 @@ from mismatch_probe.options import (
     QuantizationOpt,
     RayOpt,
     RayTimeoutOpt,
+    RefitKvCacheDtypeOpt,
+    RefitMethodOpt,
+    RefitOutOpt,
+    RefitPromptsOpt,
+    RefitRolloutDtypeOpt,
+    RefitTrainDtypeOpt,
     ResumeOpt,
     RolloutDtypeOpt,
     RoutingReplayOpt,
@@ -89,6 +97,7 @@ from mismatch_probe.options import (
     TinyArchOpt,
     TinyOutArg,
     TinySeedOpt,
+    ToCkptOpt,
     TopKOpt,
     TopPOpt,
     TrainDeviceMapOpt,
@@ -287,6 +296,11 @@ def report(
     from mismatch_probe.rundir.trend_run import is_trend_run
 
     check_format(fmt)
+    from mismatch_probe.rundir.refit import is_refit_run
+
+    if is_refit_run(run_dir):  # probe refit: the audit and the links, no token store
+        _report_refit(run_dir, fmt)
+        return
     if is_trend_run(run_dir):  # probe ingest verl-log: the logged trend, no token store
         from mismatch_probe.report.trend_run import render_trend_run, write_trend_report
         from mismatch_probe.rundir.trend_run import load_trend_run
@@ -349,14 +363,22 @@ def check(
     setting: SettingsOpt = None,
     accept: AcceptOpt = None,
     exact: ExactOpt = False,
+    max_link: MaxLinkOpt = 1e-6,
 ) -> None:
     """Check data integrity, metric bounds, and growth over a baseline run (for CI).
 
     Exit 0 when all hold, 1 when any fails, 2 on bad usage or runs that are not comparable
     (model, prompts, sampling or hardware differ).
 
-    Every setting of a precision-matrix run is gated, each failing one named.
+    Every setting of a precision-matrix run is gated, each failing one named. A refit run
+    (refit.json) fails on any mismatched, missing or unexpected tensor and on a refit or
+    stale_prefix_cache link above --max-link.
     """
+    from mismatch_probe.rundir.refit import is_refit_run
+
+    if is_refit_run(run_dir):
+        _check_refit(run_dir, max_link)
+        return
     from mismatch_probe.gate.baseline import gate
     from mismatch_probe.gate.config import CheckConfig
     from mismatch_probe.report.gate import render_gate
@@ -378,6 +400,66 @@ def check(
     render_gate(result, _stdout_console())
     if not result.passed:
         raise typer.Exit(1)
+
+
+def _report_refit(run_dir: Path, fmt: str) -> None:
+    from mismatch_probe.gate.refit import gate_refit
+    from mismatch_probe.report.refit import refit_comment, render_refit
+    from mismatch_probe.rundir.refit import read_refit
+
+    data = read_refit(run_dir)
+    if fmt == "pr-comment":
+        print(refit_comment(data, gate_refit(data)), end="")
+        return
+    render_refit(data, _stdout_console())
+
+
+def _check_refit(run_dir: Path, max_link: float) -> None:
+    from mismatch_probe.gate.refit import gate_refit
+    from mismatch_probe.report.refit import render_refit_gate
+    from mismatch_probe.rundir.refit import read_refit
+
+    result = gate_refit(read_refit(run_dir), max_link)
+    render_refit_gate(result, _stdout_console())
+    if not result.passed:
+        raise typer.Exit(1)
+
+
+@app.command(cls=ProbeCommand, epilog=epilog("refit"))
+def refit(
+    from_ckpt: FromCkptOpt,
+    to_ckpt: ToCkptOpt,
+    out: RefitOutOpt,
+    method: RefitMethodOpt = "reload",
+    prompts: RefitPromptsOpt = None,
+    num_prompts: NumPromptsOpt = None,
+    max_tokens: MaxTokensOpt = 32,
+    seed: SeedOpt = 0,
+    rollout_dtype: RefitRolloutDtypeOpt = "float32",
+    train_dtype: RefitTrainDtypeOpt = "float32",
+    kv_cache_dtype: RefitKvCacheDtypeOpt = "auto",
+    vllm_arg: VllmArgOpt = None,
+    force: ForceOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Push checkpoint B into an engine running A (as an RL step does), audit the weights it
+    holds, and measure the stale prefix cache.
+
+    Writes refit.json to --out: the weight audit (refitted vs fresh engine, and vs B's
+    checkpoint through the engine's name mapping, with a negative control) and the links
+    stale_prefix_cache, refit, engine_vs_train, cache_salt.
+    """
+    from mismatch_probe.engine.rollout import parse_engine_args
+    from mismatch_probe.pipeline.refit import RefitConfig, run_refit
+    from mismatch_probe.report.refit import render_refit
+
+    cfg = RefitConfig(
+        from_ckpt, to_ckpt, out, method, prompts, num_prompts, max_tokens, 1.0, seed,
+        rollout_dtype, train_dtype, kv_cache_dtype, None, parse_engine_args(vllm_arg or []),
+        force, verbose,
+    )  # fmt: skip
+    result = run_refit(cfg, Console(stderr=True))
+    render_refit(result.data, _stdout_console())
 
 
 # --- scan, ingest and models ------------------------------------------------------------------

@@ -21,7 +21,7 @@ from mismatch_probe.options import PANELS
 # them. A command missing here is listed after these, in the order it was added.
 COMMAND_ORDER = (
     "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models",
-    "selftest",
+    "refit", "selftest",
 )  # fmt: skip
 
 # Command path -> example command lines (each also a command line of a docs page).
@@ -65,6 +65,11 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "export": (
         "probe export reports/prime-run --to tensorboard --out tb/prime",
         "probe export reports/prime-run --to wandb --wandb-run 1a2b3c4d",
+    ),
+    "refit": (
+        "probe refit --from ckpts/step_100 --to ckpts/step_101 --out runs/refit",
+        "probe refit --from ckpts/step_100 --to ckpts/step_101 --out runs/refit-sleep "
+        "--method sleep-wake",
     ),
     "models prepare": ("probe models prepare",),
     "models tiny": ("probe models tiny /tmp/tiny-moe --arch qwen3_moe",),

@@ -883,3 +883,96 @@ ProjectOpt = Annotated[
         help="The W&B / trackio project.",
     ),
 ]
+
+
+# --- probe refit ------------------------------------------------------------------------------
+
+FromCkptOpt = Annotated[
+    Path,
+    typer.Option(
+        "--from",
+        metavar="DIR",
+        rich_help_panel=MODEL,
+        help="Checkpoint A (a transformers directory, safetensors): the engine starts on it.",
+    ),
+]
+
+ToCkptOpt = Annotated[
+    Path,
+    typer.Option(
+        "--to",
+        metavar="DIR",
+        rich_help_panel=MODEL,
+        help="Checkpoint B: pushed into the running engine, and loaded fresh to compare.",
+    ),
+]
+
+RefitMethodOpt = Annotated[
+    str,
+    typer.Option(
+        "--method",
+        metavar="[reload|load-weights|sleep-wake]",
+        rich_help_panel=MODEL,
+        help="How B reaches the running engine: reload (the worker's reload_weights from B's "
+        "path), load-weights (model.load_weights on B's tensors, refused where the backend "
+        "packs the weights or the engine runs in other processes), sleep-wake (sleep, reload, "
+        "wake up).",
+    ),
+]
+
+RefitPromptsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--prompts",
+        metavar="FILE",
+        rich_help_panel=MODEL,
+        help="JSONL prompts file (as probe scan's). Default: the bundled prompts/refit.jsonl, "
+        "whose prompts are longer than a 128-token prefix-cache block.",
+    ),
+]
+
+RefitRolloutDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--rollout-dtype",
+        metavar="DTYPE",
+        rich_help_panel=PRECISION,
+        help="The engine's dtype: float32, float16 or bfloat16.",
+    ),
+]
+
+RefitTrainDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--train-dtype",
+        metavar="DTYPE",
+        rich_help_panel=PRECISION,
+        help="The transformers forward's dtype on B (the engine_vs_train link).",
+    ),
+]
+
+RefitKvCacheDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache-dtype",
+        metavar="DTYPE",
+        rich_help_panel=PRECISION,
+        help="The engine's KV-cache dtype: auto or fp8.",
+    ),
+]
+
+RefitOutOpt = Annotated[
+    Path,
+    typer.Option("--out", metavar="DIR", rich_help_panel=OUTPUT, help="Output directory."),
+]
+
+MaxLinkOpt = Annotated[
+    float,
+    typer.Option(
+        "--max-link",
+        metavar="X",
+        rich_help_panel=BOUNDS,
+        help="A refit run (refit.json): fail when the refit or stale_prefix_cache link's k3_kl "
+        "is above X (a correct refit gives exactly 0 in float32).",
+    ),
+]

@@ -125,9 +125,12 @@ ARCHS: dict[str, Callable[[int, int], Any]] = {
 }
 
 
-def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, context: int = 512) -> Path:
+def build_tiny_model(
+    out: Path, arch: str = "llama", seed: int = 0, context: int = 512, tied: bool = False
+) -> Path:
     """Write a tiny random-weight checkpoint of ``arch`` to ``out`` (fp32 safetensors) whose
-    context (``max_position_embeddings``) is ``context`` tokens.
+    context (``max_position_embeddings``) is ``context`` tokens (``tied``: the LM head is the
+    embedding, as in SmolLM2).
 
     ``out`` is checked writable first; the files are saved into a hidden directory inside it and
     each renamed into place when all are complete, so no partial file has a final name.
@@ -142,6 +145,7 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, context: int
     tokenizer = build_tokenizer()
     config = ARCHS[arch](len(tokenizer), tokenizer.eos_token_id)
     config.max_position_embeddings = context
+    config.tie_word_embeddings = tied
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     bars = hf_logging.is_progress_bar_enabled()

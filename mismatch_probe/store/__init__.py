@@ -222,6 +222,7 @@ STEPS_FILE = "steps.json"  # an ingested run's metrics per training step
 INTEGRITY_FILE = "integrity.json"  # data-integrity findings (metrics spec section 8)
 REPORT_FILE = "report.md"
 COMPARE_FILE = "compare.md"  # written by ``probe compare`` into its own directory
+REFIT_FILE = "refit.json"  # ``probe refit``: the weight audit and the links of a refit
 PLOTS_DIR = "plots"
 
 ROW_GROUP_TOKENS = 65_536

@@ -116,6 +116,12 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _refit() -> dict[str, Any]:
+    from tests.bench.refit import bench_refit
+
+    return bench_refit()
+
+
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "rescoring": _rescoring,
     "rescoring_lengths": _rescoring_lengths,
@@ -130,6 +136,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "multiturn": _multiturn,
     "lifecycle": _lifecycle,
     "watch": _watch,
+    "refit": _refit,
 }
 
 

@@ -1,0 +1,47 @@
+"""``probe check`` on a refit run: the weight audit and the gated links of ``refit.json``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GATED_LINKS = ("refit", "stale_prefix_cache")
+DEFAULT_MAX_LINK = 1e-6
+AUDIT_LISTS = ("mismatched", "missing", "unexpected")
+
+
+@dataclass(frozen=True)
+class RefitGate:
+    """The verdict: ``failures`` one line each (empty: passed)."""
+
+    failures: list[str] = field(default_factory=list)
+    max_link: float = DEFAULT_MAX_LINK
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def gate_refit(data: dict[str, Any], max_link: float = DEFAULT_MAX_LINK) -> RefitGate:
+    """Fail on any mismatched, missing or unexpected tensor, on a broken audit (its negative
+    control not named), and on a gated link whose ``k3_kl`` is above ``max_link``."""
+    audit = data.get("audit", {})
+    failures = []
+    for key in AUDIT_LISTS:
+        names = audit.get(key) or []
+        if names:
+            shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+            failures.append(f"audit: {len(names)} {key} tensor(s): {shown}")
+    control = audit.get("negative_control") or {}
+    if audit.get("broken", not control.get("named", False)):
+        failures.append(
+            f"audit broken: the negative control ({control.get('tensor') or 'no tensor'}, "
+            "perturbed on purpose) was not named as mismatched"
+        )
+    for name in GATED_LINKS:
+        link = data.get("links", {}).get(name)
+        if link is None:
+            failures.append(f"link {name}: not measured")
+        elif float(link.get("k3_kl", 0.0)) > max_link:
+            failures.append(f"link {name}: k3_kl {link['k3_kl']:.3g} > --max-link {max_link:g}")
+    return RefitGate(failures, max_link)

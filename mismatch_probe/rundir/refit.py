@@ -1,0 +1,31 @@
+"""A refit run's ``refit.json`` (``probe refit``), read and checked once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe import store
+from mismatch_probe.errors import ProbeError
+
+REQUIRED = ("audit", "links")
+
+
+def is_refit_run(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a refit run (``refit.json``)."""
+    return (run_dir / store.REFIT_FILE).is_file()
+
+
+def read_refit(run_dir: Path) -> dict[str, Any]:
+    """``refit.json`` of ``run_dir``.
+
+    Raises:
+        ProbeError: missing, unreadable, or without its ``audit`` and ``links``.
+    """
+    path = run_dir / store.REFIT_FILE
+    if not path.is_file():
+        raise ProbeError(f"{run_dir}: no {store.REFIT_FILE} (written by probe refit)")
+    data = store.read_json(path)
+    if not isinstance(data, dict) or any(not isinstance(data.get(k), dict) for k in REQUIRED):
+        raise ProbeError(f"{path}: not a refit run ({', '.join(REQUIRED)} missing)")
+    return data

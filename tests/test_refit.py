@@ -1,0 +1,245 @@
+"""``probe refit``: B pushed into an engine running A (the real vLLM CPU engine, tiny models
+built here, B = A after a real optimizer step), the weight audit, the links, ``probe check``.
+
+Engines are the cost: the clean refit runs once (two engines), the wrong refit reuses its fresh
+side (one more), the tied model runs once (two), the refused method stops at its first engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mismatch_probe.engine import refit
+from mismatch_probe.gate.refit import gate_refit
+from mismatch_probe.pipeline.refit import (
+    RefitConfig,
+    RefitResult,
+    perturbed_refit_caught,
+    run_refit,
+)
+from tests.cli_runner import run_probe
+from tests.tolerances import ulp_bound
+
+# Longer than one 128-token cache block in the tiny tokenizer (whole blocks are cached).
+SYSTEM = (
+    "You are the policy of a reinforcement learning run. Answer the task in plain text, "
+    "think step by step, and end with one line that starts with Answer: and the value. "
+    "The checker compares that line with the reference answer."
+)
+TASKS = ("What is the capital of France?", "Solve for x: 3x + 5 = 20.", "def add(a, b):")
+ENGINE_ARGS = {"kv_cache_memory_bytes": 128 << 20}
+
+
+def _pair(root: Path, tied: bool, arch: str = "llama") -> tuple[Path, Path]:
+    """A tiny checkpoint A and B = A after one AdamW step on a language-modelling loss."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mismatch_probe.models.tiny import build_tiny_model
+
+    a, b = root / "A", root / "B"
+    build_tiny_model(a, arch=arch, context=1024, tied=tied)
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    model.save_pretrained(b)
+    AutoTokenizer.from_pretrained(a).save_pretrained(b)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("refit-prompts") / "long.jsonl"
+    lines = [
+        {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": t}]}
+        for t in TASKS
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _config(a: Path, b: Path, out: Path, prompts: Path) -> RefitConfig:
+    return RefitConfig(a, b, out, prompts=prompts, max_tokens=16, vllm_args=ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _pair(tmp_path_factory.mktemp("untied"), tied=False)
+
+
+@pytest.fixture(scope="module")
+def clean(
+    untied: tuple[Path, Path], prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> RefitResult:
+    out = tmp_path_factory.mktemp("clean-run")
+    return run_refit(_config(*untied, out, prompts), None)
+
+
+def test_clean_refit_audit_and_links(clean: RefitResult) -> None:
+    data = clean.data
+    audit = data["audit"]
+    assert (audit["mismatched"], audit["missing"], audit["unexpected"]) == ([], [], [])
+    assert all(row["equal"] and row["max_abs_diff"] == 0.0 for row in audit["tensors"])
+    assert any(".qkv_proj." in row["name"] for row in audit["tensors"])  # read back, fused
+    assert audit["checkpoint_tensors_checked"] > 0
+    control = audit["negative_control"]
+    assert control["named"] and not audit["broken"]
+    assert control["engine_tensor"].endswith(("qkv_proj.weight", "gate_up_proj.weight"))
+    links = data["links"]
+    assert links["refit"]["tokens"] > 0
+    assert links["refit"]["k3_kl"] == 0.0 and links["refit"]["max_abs"] == 0.0  # fp32: exact
+    assert links["cache_salt"]["k3_kl"] == 0.0 and links["cache_salt"]["tokens"] > 0
+    # The worker's reload does not touch the scheduler's prefix cache: KV computed with A read.
+    warm = data["cache"]["warm_cached_tokens"]
+    assert min(warm) >= data["cache"]["block_size"] > 0
+    assert links["stale_prefix_cache"]["k3_kl"] > 0.0
+    # only positions after the cached prefix are scored
+    first = min(p["position"] for p in links["stale_prefix_cache"]["positions"])
+    assert first > min(warm)
+    train = links["engine_vs_train"]
+    assert train["tokens"] == links["refit"]["tokens"]
+    assert train["max_abs"] <= ulp_bound(np.array([20.0]))
+    # a reload refit leaves the cache warm: probe check fails on that link alone
+    assert [f.split(":")[0] for f in gate_refit(data).failures] == ["link stale_prefix_cache"]
+    assert json.loads(clean.path.read_text())["links"]["refit"]["k3_kl"] == 0.0
+
+
+def _wrong_push(llm: Any, path: Path) -> None:
+    """q and k rows swapped inside layer 0's fused tensor; layer 1's o_proj from layer 0."""
+    tensors = dict(refit.iter_checkpoint(path))
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    q_rows, k_rows = tensors[q].clone(), tensors[k].clone()
+    rows = k_rows.shape[0]
+    tensors[q] = torch_cat(k_rows, q_rows[rows:])
+    tensors[k] = q_rows[:rows].clone()
+    o0, o1 = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    tensors[o1] = tensors[o0].clone()
+    refit.push_tensors(llm, tensors.items())
+
+
+def torch_cat(*parts: Any) -> Any:
+    import torch
+
+    return torch.cat(parts)
+
+
+def test_wrong_refit_named_and_link_large(
+    clean: RefitResult, untied: tuple[Path, Path], prompts: Path, tmp_path: Path
+) -> None:
+    result = run_refit(_config(*untied, tmp_path, prompts), None, _wrong_push, clean.fresh)
+    audit = result.data["audit"]
+    for name in (
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ):
+        assert name in audit["mismatched"]
+    assert "model.layers.0.self_attn.v_proj.weight" not in audit["mismatched"]
+    assert result.data["links"]["refit"]["k3_kl"] > 1e-4
+    verdict = gate_refit(result.data)
+    assert not verdict.passed and any("mismatched" in f for f in verdict.failures)
+
+
+def test_perturbed_refit_caught(
+    clean: RefitResult, untied: tuple[Path, Path], prompts: Path, tmp_path: Path
+) -> None:
+    """The selftest row: one tensor of B perturbed in the refit itself is named by the audit."""
+    caught, name = perturbed_refit_caught(_config(*untied, tmp_path, prompts), clean.fresh)
+    assert caught and name.endswith("_proj.weight")
+
+
+def test_sleep_wake_clears_the_cache(
+    clean: RefitResult, untied: tuple[Path, Path], prompts: Path, tmp_path: Path
+) -> None:
+    """sleep-wake on the CPU backend: the worker's sleep is a no-op, but the engine core's sleep
+    (level 1) pauses the scheduler with its prefix cache cleared: nothing stale is read."""
+    cfg = replace(_config(*untied, tmp_path, prompts), method="sleep-wake")
+    data = run_refit(cfg, None, fresh=clean.fresh).data
+    assert data["method"] == "sleep-wake" and data["audit"]["mismatched"] == []
+    assert data["links"]["stale_prefix_cache"]["k3_kl"] == 0.0
+    assert data["links"]["refit"]["k3_kl"] == 0.0
+    assert gate_refit(data).passed
+
+
+def test_check_cli(
+    clean: RefitResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    code, out, _ = run_probe(["check", str(clean.path.parent)], monkeypatch, capsys)
+    assert code == 1 and "stale_prefix_cache" in out and "audit" not in out
+    broken = json.loads(clean.path.read_text())
+    broken["links"]["stale_prefix_cache"]["k3_kl"] = 0.0
+    (tmp_path / "refit.json").write_text(json.dumps(broken))
+    code, out, _ = run_probe(["check", str(tmp_path)], monkeypatch, capsys)
+    assert code == 0 and "refit check passed" in out
+    broken["audit"]["negative_control"]["named"] = False
+    broken["audit"]["broken"] = True
+    broken["links"]["stale_prefix_cache"]["k3_kl"] = 2e-6
+    (tmp_path / "refit.json").write_text(json.dumps(broken))
+    code, out, _ = run_probe(["check", str(tmp_path)], monkeypatch, capsys)
+    assert code == 1 and "audit broken" in out and "stale_prefix_cache" in out
+    code, out, _ = run_probe(["check", str(tmp_path), "--max-link", "1e-5"], monkeypatch, capsys)
+    assert code == 1 and "stale_prefix_cache" not in out
+
+
+def test_tied_head_after_reload(prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM 0.32's CPU backend: reload_weights re-packs the embedding, but the tied LM head
+    keeps the handle packed from A's weights; the audit names it and the refit link shows it."""
+    a, b = _pair(tmp_path_factory.mktemp("tied"), tied=True)
+    data = run_refit(_config(a, b, tmp_path_factory.mktemp("tied-run"), prompts), None).data
+    assert data["audit"]["mismatched"] == ["lm_head.weight"]
+    assert data["audit"]["negative_control"]["named"]
+    assert data["links"]["refit"]["k3_kl"] > 0.0
+
+
+def test_load_weights_refused(
+    untied: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    from mismatch_probe.engine.process import descendants
+
+    before = set(descendants())
+    a, b = untied
+    out = tmp_path / "run"
+    args = ["refit", "--from", str(a), "--to", str(b), "--out", str(out)]
+    code, _, err = run_probe([*args, "--method", "load-weights"], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "packs the linear layers" in err and "--method reload" in err
+    assert not (out / "refit.json").exists()
+    assert set(descendants()) <= before
+
+
+def test_report_and_comment(
+    clean: RefitResult, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    run = clean.path.parent
+    assert "## Refit" in (run / "report.md").read_text()
+    code, out, _ = run_probe(["report", str(run), "--format", "pr-comment"], monkeypatch, capsys)
+    assert code == 0 and out.startswith("### probe refit: failed")
+    assert "- link stale\\_prefix\\_cache" in out and "| refit |" in out  # Markdown-escaped
+    assert str(run) not in out  # no path of this machine
+    code, out, _ = run_probe(["report", str(run)], monkeypatch, capsys)
+    assert code == 0 and "weight audit" in out and "engine_vs_train" in out
+
+
+def test_moe_experts_after_reload(prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny Qwen3-MoE: the fused experts (repacked by the CPU backend) are compared refitted
+    vs fresh as stored. vLLM 0.32's CPU backend: after reload_weights they differ from a fresh
+    engine's and the refit link is large; the audit names every expert tensor, and the
+    checkpoint's per-expert tensors are listed as not compared (their own loader mapping)."""
+    a, b = _pair(tmp_path_factory.mktemp("moe"), tied=False, arch="qwen3_moe")
+    data = run_refit(_config(a, b, tmp_path_factory.mktemp("moe-run"), prompts), None).data
+    audit = data["audit"]
+    experts = [n for n in audit["mismatched"] if ".experts." in n]
+    assert experts and all(n.endswith(("w13_weight", "w2_weight")) for n in experts)
+    assert not [n for n in audit["mismatched"] if ".experts." not in n]
+    assert audit["not_compared_to_checkpoint"] and audit["negative_control"]["named"]
+    assert any(".gate." in row["name"] for row in audit["tensors"])  # the router, read back
+    assert data["links"]["refit"]["k3_kl"] > 1e-3
