@@ -50,6 +50,8 @@ from mismatch_probe.options import (
     IntervalOpt,
     JsonOpt,
     KvCacheDtypeOpt,
+    LayersOpt,
+    LayersSequencesOpt,
     LmHeadFp32Opt,
     LogprobsModeOpt,
     MaxBoundOpt,
@@ -414,6 +416,8 @@ def scan(
     ray_timeout: RayTimeoutOpt = SCAN.ray_timeout,
     resume: ResumeOpt = SCAN.resume,
     verbose: VerboseOpt = SCAN.verbose,
+    layers: LayersOpt = SCAN.layers,
+    layers_sequences: LayersSequencesOpt = SCAN.layers_sequences,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 

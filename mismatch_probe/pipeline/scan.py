@@ -33,7 +33,7 @@ from mismatch_probe.engine import batch_invariant, process, turns
 from mismatch_probe.engine.args import check_engine_args
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.models.checkpoint import check_weights
-from mismatch_probe.pipeline import attribution, engines, rescoring, routes, trajectory
+from mismatch_probe.pipeline import attribution, engines, layers, rescoring, routes, trajectory
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
 from mismatch_probe.pipeline.runinfo import run_metadata, run_record
@@ -81,6 +81,7 @@ def check_inputs(cfg: ScanConfig, out: bool = True) -> Inputs:
         require_ray()
     out_dir = check_out(cfg, cfg.out, create=False) if out and cfg.out is not None else None
     attribution.check(cfg)
+    layers.check(cfg)
     model_dir = models.resolve_model(cfg.model)
     attribution.check_stale(cfg.stale_model, model_dir)
     check_weights(model_dir)  # what the engine will load, checked before it starts
@@ -240,7 +241,11 @@ def run_range(
     total = len(prep.prompts) * cfg.samples_per_prompt  # the whole scan's sequences per setting
     rng = replace(prep, prompts=prep.prompts[first:stop])
     runs = engines.run_engines(cfg, rng, timer, progress, console)
-    scored = rescoring.rescore_all(cfg, rng, runs, timer, progress)
+    found_layers: dict[Setting, Any] = {}  # --layers: per-layer sums of each setting
+    try:
+        scored = rescoring.rescore_all(cfg, rng, runs, timer, progress, found_layers)
+    finally:
+        layers.discard(runs)  # the engine streams' chunk files
     assign_seq_ids(scored, cfg.settings(), total, first * cfg.samples_per_prompt)
     attribution.train_step(cfg, rng, runs, scored, timer)  # nothing without --attribute
     record = {
@@ -253,6 +258,7 @@ def run_range(
         "attribution_device_map": dict(rng.attribution_devices),
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "layers": layers.finish(found_layers, {s: r.seq_offset for s, r in scored.items()}),
     }
     with timer("writing"):
         run = run_metadata(cfg, rng, runs, timer.seconds)
@@ -302,6 +308,7 @@ def finish(
     ``run.json``."""
     from mismatch_probe.pipeline.publish import publish
     from mismatch_probe.rundir import RunData, build_report
+    from mismatch_probe.rundir.layers import write_layers
 
     out = prep.out_dir
     runs, speed = merged_runs(cfg, records)
@@ -320,6 +327,7 @@ def finish(
         routing_paths, routing = routes.finish(out, prep.routing, present, run)  # {} for dense
         paths.update(routing_paths)
         found = attribution.finish(paths["tokens"])  # {} without --attribute
+        paths.update(write_layers(out, records[0].get("layers") or {}))  # {} without --layers
     with timer("reports"):
         data = RunData(
             run,

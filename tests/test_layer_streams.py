@@ -1,0 +1,153 @@
+"""``probe scan --layers`` on the real vLLM engine (the session pool) and real transformers.
+
+The engine's streams come from forward hooks on vLLM's decoder layers (``engine.layers``,
+registered with ``LLM.apply_model``); the training side's from transformers' hidden states.
+One module fixture captures, with the pool's float32 engine, the streams of a few prompts as
+they are, then with one norm weight of the last layer scaled inside the engine only (through
+``apply_model``, restored after), then with the bfloat16 engine. One end-to-end scan checks
+``layers.json``.
+
+Tolerances:
+
+* fp32 on both sides: the relative difference of a stream is float32 rounding through the
+  layers: ``REORDER_ULPS`` ulps per layer and one for the embedding, relative to the stream's
+  norm (the largest seen: 1.4e-6, under the 5.7e-6 this gives for two layers).
+* The perturbation scales a norm weight by ``1 + 2^-4``: a relative change of 6% of that
+  norm's output, far above any rounding, and nothing before the layer can see it.
+* bf16 against fp32 diverges at layer 0 by physics (8 significand bits: relative rounding
+  2^-8 per value) and the difference grows from layer to layer.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mismatch_probe.engine import layers as engine_layers
+from mismatch_probe.metrics.layers import (
+    DIVERGENCE_FACTOR,
+    NOMINAL_FLOOR,
+    LayerSums,
+    first_divergent_layer,
+    floor_of,
+)
+from mismatch_probe.training import rescore
+from mismatch_probe.training.layers import hidden_streams
+
+from .cli_runner import run_probe_err
+from .conftest import encoded_prompts
+from .tolerances import EPS, REORDER_ULPS
+
+pytestmark = pytest.mark.engine
+
+PERTURBED_LAYER = 1  # the tiny model's last layer (compared after the final norm)
+SCALE = 1 + 2.0**-4
+
+
+def _scale_norm(layer: int, factor: float, model: Any) -> None:
+    """Scale decoder layer ``layer``'s post-attention norm weight (``apply_model``)."""
+    weight = model.model.layers[layer].post_attention_layernorm.weight
+    weight.data.mul_(factor)
+
+
+def _captured(llm: Any, ids: list[list[int]]) -> list[np.ndarray]:
+    engine_layers.run_on_model(llm, engine_layers.install)
+    try:
+        return engine_layers.capture(llm, ids)
+    finally:
+        engine_layers.run_on_model(llm, engine_layers.remove)
+
+
+@pytest.fixture(scope="module")
+def streams(engines: Any, tiny_model: Path, tiny_tokenizer: Any) -> dict[str, Any]:
+    ids = [list(p.token_ids) for p in encoded_prompts(tiny_tokenizer)[:3]]
+    llm = engines.get("float32", "processed")
+    plain = _captured(llm, ids)
+    engine_layers.run_on_model(llm, partial(_scale_norm, PERTURBED_LAYER, SCALE))
+    try:
+        perturbed = _captured(llm, ids)
+    finally:
+        engine_layers.run_on_model(llm, partial(_scale_norm, PERTURBED_LAYER, 1 / SCALE))
+    bf16 = _captured(engines.get("bfloat16", "processed"), ids)
+    model = rescore.load_model(tiny_model, "float32")
+    train = [hidden_streams(model, seq) for seq in ids]
+    return {"plain": plain, "perturbed": perturbed, "bf16": bf16, "train": train}
+
+
+def _sums(engine: list[np.ndarray], train: list[np.ndarray]) -> LayerSums:
+    sums = LayerSums(train[0].shape[1])
+    for i, (a, b) in enumerate(zip(engine, train, strict=True)):
+        sums.add(a, b, i)
+    return sums
+
+
+def test_fused_add_rmsnorm_hook_matches_transformers(streams: dict[str, Any]) -> None:
+    """``hidden_states + residual`` of each vLLM decoder layer is transformers' hidden state
+    after that layer (the last after the final norm), in shape and content; another layer's
+    state is far off (the hooks hold the right layer)."""
+    layers = streams["train"][0].shape[1]
+    bound = REORDER_ULPS * EPS["float32"] * (layers + 1)
+    for engine, train in zip(streams["plain"], streams["train"], strict=True):
+        assert engine.shape == train.shape and engine.dtype == np.float32
+        rel = np.linalg.norm(engine - train, axis=-1) / np.linalg.norm(train, axis=-1)
+        assert rel.max() < bound
+        swapped = np.linalg.norm(engine[:, 0] - train[:, 1], axis=-1)
+        assert (swapped / np.linalg.norm(train[:, 1], axis=-1)).min() > 1e-2
+
+
+def test_fp32_stays_at_the_floor(streams: dict[str, Any]) -> None:
+    sums = _sums(streams["plain"], streams["train"])
+    assert np.all(sums.mean_rel() < NOMINAL_FLOOR * DIVERGENCE_FACTOR)
+    assert first_divergent_layer(sums.mean_rel(), None) is None
+    assert np.all(sums.cos_sum / sums.tokens > 1 - 1e-9)
+
+
+def test_perturbed_norm_is_the_first_divergent_layer(streams: dict[str, Any]) -> None:
+    floor, source = floor_of(_sums(streams["plain"], streams["train"]))
+    assert source == "measured" and floor is not None
+    perturbed = _sums(streams["perturbed"], streams["train"])
+    assert first_divergent_layer(perturbed.mean_rel(), floor) == PERTURBED_LAYER
+    earlier = perturbed.mean_rel()[:PERTURBED_LAYER]
+    assert np.all(earlier <= floor[:PERTURBED_LAYER])  # the very same numbers as unperturbed
+    for plain, moved in zip(streams["plain"], streams["perturbed"], strict=True):
+        np.testing.assert_array_equal(plain[:, :PERTURBED_LAYER], moved[:, :PERTURBED_LAYER])
+
+
+def test_bf16_engine_grows_layer_by_layer(streams: dict[str, Any]) -> None:
+    floor, _ = floor_of(_sums(streams["plain"], streams["train"]))
+    mean = _sums(streams["bf16"], streams["train"]).mean_rel()
+    assert first_divergent_layer(mean, floor) == 0  # precision: from the first layer on
+    assert mean[0] > EPS["bfloat16"] / 4  # bf16 rounding, not float32's
+    assert np.all(np.diff(mean) > 0)
+
+
+def test_scan_writes_layers_json(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """End to end: an identity scan measures its own floor and diverges nowhere;
+    ``--layers-sequences`` bounds what is compared."""
+    out = tmp_path / "run"
+    args = ["scan", "--model", str(tiny_model), "--num-prompts", "2", "--max-tokens", "8"]
+    args += ["--rollout-dtype", "float32", "--layers", "--layers-sequences", "1"]
+    code, err = run_probe_err([*args, "--out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    data = json.loads((out / "layers.json").read_text())
+    (entry,) = data["settings"].values()
+    assert data["floor_source"].startswith("measured")
+    assert entry["first_divergent_layer"] is None and entry["sequences"] == 1
+    assert [row["layer"] for row in entry["layers"]] == [0, 1]
+    assert entry["layers"][-1]["after_final_norm"]
+
+
+def test_layers_refused_out_of_eager_mode(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    args = ["scan", "--model", str(tiny_model), "--layers", "--out", str(tmp_path / "r")]
+    code, err = run_probe_err([*args, "--vllm-arg", "enforce_eager=false"], monkeypatch, capsys)
+    assert code == 2 and "eager mode" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
