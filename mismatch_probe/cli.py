@@ -164,6 +164,7 @@ def metrics_command(
     from mismatch_probe.report.integrity import integrity_json, integrity_text
     from mismatch_probe.report.metrics_table import render_metrics
     from mismatch_probe.rundir.integrity import run_integrity
+    from mismatch_probe.rundir.layers import first_divergent
     from mismatch_probe.store import resolve_tokens_path
 
     number = None if step is None else resolve_step(resolve_tokens_path(path), step)
@@ -180,6 +181,7 @@ def metrics_command(
             "integrity": integrity_json(integrity, number),
             **result.flat(),
             "recommendation": found.to_dict(),
+            **first_divergent(path, setting),  # a run scanned with --layers
         }
         print(json.dumps(data, allow_nan=False))
     else:

@@ -142,6 +142,9 @@ def test_scan_writes_layers_json(
     assert entry["first_divergent_layer"] is None and entry["sequences"] == 1
     assert [row["layer"] for row in entry["layers"]] == [0, 1]
     assert entry["layers"][-1]["after_final_norm"]
+    assert json.loads((out / "metrics.json").read_text())["first_divergent_layer"] is None
+    assert (out / "plots" / "layers.png").stat().st_size > 0
+    assert "## Layers" in (out / "report.md").read_text()
 
 
 def test_layers_refused_out_of_eager_mode(

@@ -500,6 +500,10 @@ STRUCTURED: dict[str, str] = {
     "per_turn": "multi-turn runs: one row per turn index, `turn, sequences, tokens, k3_kl, kl, "
     "abs_log_ratio_mean, token_mult_prob_error, first_token_abs_log_ratio_mean, "
     "context_tokens_mean` (each the run-level definition restricted to the turn's tokens)",
+    "first_divergent_layer": "`probe scan --layers`: the first decoder layer (0-based) whose "
+    "mean RMS-relative difference of the residual stream, engine against training, exceeds 10x "
+    "the float32 floor at that layer; null when none does (key absent without `--layers`; the "
+    "whole curve is in `layers.json`)",
 }
 
 

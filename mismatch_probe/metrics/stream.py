@@ -67,7 +67,15 @@ OPTIONAL_COLUMNS = (
     TURN_COLUMN,
 )
 # The keys of metrics.json that are not flat metrics: records, tables, the configuration.
-STRUCTURED_KEYS = ("config", "curves", "threshold_sweep", "outliers", "recommendation", "per_turn")
+STRUCTURED_KEYS = (
+    "config",
+    "curves",
+    "threshold_sweep",
+    "outliers",
+    "recommendation",
+    "per_turn",
+    "first_divergent_layer",
+)
 
 
 def flat_part(data: dict[str, Any]) -> dict[str, float]:

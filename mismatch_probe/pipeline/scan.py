@@ -327,7 +327,8 @@ def finish(
         routing_paths, routing = routes.finish(out, prep.routing, present, run)  # {} for dense
         paths.update(routing_paths)
         found = attribution.finish(paths["tokens"])  # {} without --attribute
-        paths.update(write_layers(out, records[0].get("layers") or {}))  # {} without --layers
+        layers_data = records[0].get("layers") or {}  # {} without --layers
+        paths.update(write_layers(out, layers_data))
     with timer("reports"):
         data = RunData(
             run,
@@ -336,6 +337,7 @@ def finish(
             throughput={s.name: speed[s.rollout] for s in present},
             routing=routing,
             attribution=found,
+            layers=layers_data,
         )
         report, entries = build_report(out, data)
         paths.update(publish(report, entries, out))

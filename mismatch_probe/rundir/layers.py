@@ -50,3 +50,16 @@ def read_layers(run_dir: Path) -> Layers:
 
 def _well_formed(entry: Any) -> bool:
     return isinstance(entry, dict) and all(k in entry for k in _CURVE_KEYS)
+
+
+def first_divergent(path: Path, setting: str | None) -> dict[str, Any]:
+    """``{"first_divergent_layer": ...}`` of ``setting`` for ``probe metrics --json`` on a run
+    directory scanned with ``--layers`` (without ``setting``: the store's one setting); {} when
+    the run has no ``layers.json`` or the store holds several settings and none was chosen."""
+    if not Path(path).is_dir():
+        return {}
+    found = read_layers(Path(path)).get("settings", {})
+    if setting is None and len(found) == 1:
+        setting = next(iter(found))
+    entry = found.get(setting) if setting is not None else None
+    return {"first_divergent_layer": entry["first_divergent_layer"]} if entry else {}
