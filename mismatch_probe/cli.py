@@ -440,6 +440,24 @@ def scan(
     render_summary(result, console)
 
 
+@app.command(cls=ProbeCommand, epilog=epilog("layers"))
+def layers(
+    run_dir: RunDirArg,
+    layers_sequences: LayersSequencesOpt = None,
+) -> None:
+    """Compare both sides' residual streams layer by layer on an existing scan's tokens.
+
+    Starts each rollout setting's engine again as the scan ran it and loads each training
+    dtype: layers.json, then the reports re-rendered with their Layers section.
+    """
+    from mismatch_probe.pipeline.layers_run import run_layers
+    from mismatch_probe.report.layers import render as render_layers
+
+    data, paths = run_layers(run_dir, layers_sequences)
+    render_layers(data, _stdout_console())
+    _print_paths(_stdout_console(), paths)
+
+
 @app.command(cls=ProbeCommand, epilog=epilog("ingest"))
 def ingest(
     format_name: FormatArg,

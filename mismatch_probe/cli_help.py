@@ -66,6 +66,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     ),
     "models prepare": ("probe models prepare",),
     "models tiny": ("probe models tiny /tmp/tiny-moe --arch qwen3_moe",),
+    "layers": ("probe layers reports/demo", "probe layers reports/demo --layers-sequences 8"),
 }
 
 

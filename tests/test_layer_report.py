@@ -16,6 +16,8 @@ from mismatch_probe.metrics.layers import (
     curve,
     first_divergent_layer,
     largest_growth,
+    mark_routing,
+    routing_flips,
 )
 from mismatch_probe.report import layers as report_layers
 from mismatch_probe.rundir.layers import first_divergent, read_layers, write_layers
@@ -78,3 +80,19 @@ def test_report_section_plot_and_comment(tmp_path: Path) -> None:
     assert line[0].startswith("**First divergent layer:** 0")
     assert report_layers.markdown_section({}, None, tmp_path) == ""
     assert report_layers.write_plot({}, tmp_path / "plots") is None and not plot.exists()
+
+
+def test_routing_flips_marked_per_layer(tmp_path: Path) -> None:
+    """A token routed to another expert set at layer 1 (same set in another order is no flip)."""
+    engine = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])  # [T=2, L=2, K=2]
+    train = engine.copy()
+    train[0, 0] = [1, 0]  # same experts, other order
+    train[1, 1] = [6, 5]
+    flips = routing_flips([engine], [train], 2)
+    assert flips == [0, 1]
+    data = _data()
+    entry = data["settings"]["rollout=bf16 | train=fp32"]
+    mark_routing(entry, flips)
+    assert entry["routing_flip_layers"] == [1] and entry["layers"][1]["routing_flips"] == 1
+    text = report_layers.markdown_section(data, None, tmp_path)
+    assert "other experts at layers 1" in text

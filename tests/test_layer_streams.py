@@ -76,7 +76,14 @@ def streams(engines: Any, tiny_model: Path, tiny_tokenizer: Any) -> dict[str, An
     bf16 = _captured(engines.get("bfloat16", "processed"), ids)
     model = rescore.load_model(tiny_model, "float32")
     train = [hidden_streams(model, seq) for seq in ids]
-    return {"plain": plain, "perturbed": perturbed, "bf16": bf16, "train": train}
+    prompts = encoded_prompts(tiny_tokenizer)[:3]
+    return {
+        "plain": plain,
+        "perturbed": perturbed,
+        "bf16": bf16,
+        "train": train,
+        "prompts": prompts,
+    }
 
 
 def _sums(engine: list[np.ndarray], train: list[np.ndarray]) -> LayerSums:
@@ -126,15 +133,62 @@ def test_bf16_engine_grows_layer_by_layer(streams: dict[str, Any]) -> None:
     assert np.all(np.diff(mean) > 0)
 
 
-def test_scan_writes_layers_json(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
-) -> None:
-    """End to end: an identity scan measures its own floor and diverges nowhere;
-    ``--layers-sequences`` bounds what is compared."""
-    out = tmp_path / "run"
+def test_precision_view_without_engine(streams: dict[str, Any], tiny_model: Path) -> None:
+    """transformers bf16 against fp32 alone: diverges at layer 0 at bf16's rounding, of the
+    same order as the bf16 engine's curve."""
+    from types import SimpleNamespace
+
+    from mismatch_probe.engine.rollout import Rollout
+    from mismatch_probe.pipeline import layers
+    from mismatch_probe.pipeline.config import ScanConfig
+    from mismatch_probe.pipeline.timing import Timer
+
+    ids = [list(p.token_ids) for p in streams["prompts"]]
+    rollouts = [Rollout(i, i, 0, seq, [], [], "stop", "") for i, seq in enumerate(ids)]
+    cfg = ScanConfig(model=tiny_model, layers=True, train_dtypes=("float32", "bfloat16"))
+    prep = SimpleNamespace(model_dir=tiny_model, attribution_devices={})
+    run = SimpleNamespace(rollouts=rollouts, layers=object())
+    views = layers.precision_views(cfg, prep, [run], Timer())  # type: ignore[arg-type]
+    assert list(views) == ["transformers bfloat16 vs float32"]
+    mean = views["transformers bfloat16 vs float32"].mean_rel()
+    engine = _sums(streams["bf16"], streams["train"]).mean_rel()
+    assert first_divergent_layer(mean, None) == 0
+    assert np.all(mean > engine / 10) and np.all(mean < engine * 10)
+
+
+@pytest.fixture(scope="module")
+def scanned(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """An identity scan with ``--layers --layers-sequences 1`` (exit code, stderr)."""
+    out = tmp_path_factory.mktemp("layers") / "run"
     args = ["scan", "--model", str(tiny_model), "--num-prompts", "2", "--max-tokens", "8"]
     args += ["--rollout-dtype", "float32", "--layers", "--layers-sequences", "1"]
-    code, err = run_probe_err([*args, "--out", str(out)], monkeypatch, capsys)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        code, err = _probe([*args, "--out", str(out)], monkeypatch)
+    return out, code, err
+
+
+def _probe(args: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
+    import contextlib
+    import io
+    import sys
+
+    from mismatch_probe import cli
+
+    monkeypatch.setattr(sys, "argv", ["probe", *args])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            cli.main()
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, err.getvalue()
+
+
+def test_scan_writes_layers_json(scanned: tuple[Path, int, str]) -> None:
+    """End to end: an identity scan measures its own floor and diverges nowhere;
+    ``--layers-sequences`` bounds what is compared."""
+    out, code, err = scanned
     assert code == 0, err
     data = json.loads((out / "layers.json").read_text())
     (entry,) = data["settings"].values()
@@ -144,6 +198,23 @@ def test_scan_writes_layers_json(
     assert entry["layers"][-1]["after_final_norm"]
     assert json.loads((out / "metrics.json").read_text())["first_divergent_layer"] is None
     assert (out / "plots" / "layers.png").stat().st_size > 0
+    assert "## Layers" in (out / "report.md").read_text()
+
+
+def test_probe_layers_on_an_existing_scan(
+    scanned: tuple[Path, int, str], monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``probe layers RUN``: the engine started again from ``run.json``, the stored tokens
+    compared; the same floor-level identity, now on both sequences."""
+    out, code, _ = scanned
+    assert code == 0
+    (out / "layers.json").unlink()
+    code, err = run_probe_err(["layers", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    (entry,) = json.loads((out / "layers.json").read_text())["settings"].values()
+    assert entry["sequences"] == 2 and entry["first_divergent_layer"] is None
+    bound = REORDER_ULPS * EPS["float32"] * (len(entry["layers"]) + 1)
+    assert all(row["mean_rel"] < bound for row in entry["layers"])
     assert "## Layers" in (out / "report.md").read_text()
 
 

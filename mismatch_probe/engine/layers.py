@@ -109,14 +109,19 @@ def install(model: Any) -> int:
     return len(state["layers"])
 
 
-def take(model: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+def take(model: Any) -> list[dict[str, Any]]:
     """What the hooks captured since the last ``take`` (``apply_model``): per forward step,
-    ``([T] positions, [T, L, H] float32)``; the buffer is emptied."""
+    ``[T]`` int64 positions and ``[T, L, H]`` float32 values as raw bytes with their shape
+    (plain types: the multiprocess engine's reply goes through msgpack, which would return an
+    array as its parts); the buffer is emptied."""
     state = getattr(model, _ATTR, None)
     if state is None:
         return []
     steps, state["steps"] = state["steps"], []
-    return list(steps)
+    return [
+        {"positions": p.tobytes(), "values": v.tobytes(), "shape": [int(x) for x in v.shape]}
+        for p, v in steps
+    ]
 
 
 def remove(model: Any) -> None:
@@ -156,11 +161,18 @@ def capture(llm: Any, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
     return out
 
 
-def _assemble(steps: Sequence[tuple[np.ndarray, np.ndarray]], length: int) -> np.ndarray:
+def _assemble(replies: Sequence[dict[str, Any]], length: int) -> np.ndarray:
     """One sequence's rows, each placed at its position (the prefill's steps; the decode step of
     the one generated token lies beyond ``length`` and is dropped)."""
-    if not steps:
+    if not replies:
         raise ProbeError("--layers: the engine's hooks saw no forward step (is it eager?)")
+    steps = [
+        (
+            np.frombuffer(r["positions"], np.int64),
+            np.frombuffer(r["values"], np.float32).reshape(r["shape"]),
+        )
+        for r in replies
+    ]
     width = steps[0][1].shape[1:]
     rows = np.zeros((length, *width), np.float32)
     seen = np.zeros(length, bool)

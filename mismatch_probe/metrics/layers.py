@@ -140,3 +140,26 @@ def curve(sums: LayerSums, floor: np.ndarray | None, floor_source: str) -> dict[
         "first_divergent_layer": first_divergent_layer(mean, floor),
         "largest_growth_layer": largest_growth(mean),
     }
+
+
+def routing_flips(
+    engine_routes: list[np.ndarray], train_routes: list[np.ndarray], layers: int
+) -> list[int]:
+    """MoE: per layer, the tokens (of the sequences given) that the two sides route to a
+    different set of experts (``[T, L, K]`` expert ids per sequence, each side's own routes)."""
+    flips = np.zeros(layers, np.int64)
+    for a, b in zip(engine_routes, train_routes, strict=True):
+        n = min(len(a), len(b))
+        if n == 0:
+            continue
+        differ = np.any(np.sort(a[:n], axis=-1) != np.sort(b[:n], axis=-1), axis=-1)  # [T, L]
+        flips[: differ.shape[1]] += differ.sum(0)[:layers]
+    return [int(x) for x in flips]
+
+
+def mark_routing(entry: dict[str, Any], flips: list[int]) -> None:
+    """Mark the layers of ``entry`` (a ``curve``) where a token was routed differently:
+    ``routing_flips`` per layer row, ``routing_flip_layers`` the layers with any."""
+    for row, count in zip(entry["layers"], flips, strict=False):
+        row["routing_flips"] = count
+    entry["routing_flip_layers"] = [i for i, count in enumerate(flips) if count > 0]

@@ -29,7 +29,7 @@ import numpy as np
 
 from mismatch_probe.engine import layers as engine_layers
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.metrics.layers import LayerSums, curve, floor_of
+from mismatch_probe.metrics.layers import LayerSums, curve, floor_of, mark_routing, routing_flips
 from mismatch_probe.settings import RolloutSetting, Setting
 
 if TYPE_CHECKING:
@@ -167,6 +167,82 @@ def train_step(
                 found[setting] = compare_run(model, run.rollouts, run.layers)
 
 
+def precision_views(
+    cfg: ScanConfig, prep: Any, runs: Sequence[RolloutRun], timer: Timer
+) -> dict[str, LayerSums]:
+    """The training side alone at each lower precision of the scan (its rollout and training
+    dtypes other than float32) against float32, on the first rollout setting's sequences: the
+    precision's own curve, no engine (timed as ``layers_views``; {} without ``--layers`` or
+    without a lower precision). One model at a time: the lower precision's streams are spilled,
+    then compared with the float32 model's, chunk by chunk.
+
+    Returns:
+        ``"transformers <dtype> vs float32"`` -> per-layer sums.
+    """
+    from mismatch_probe.pipeline.rescoring import load_model
+
+    done = [r for r in runs if r.rollouts and r.layers is not None]
+    lower = [d for d in dict.fromkeys([*cfg.rollout_dtypes, *cfg.train_dtypes]) if d != "float32"]
+    if not cfg.layers or not done or not lower:
+        return {}
+    rollouts = done[0].rollouts
+    indices = picked(cfg, rollouts)
+    views: dict[str, LayerSums] = {}
+    with timer("layers_views"):
+        spilled: dict[str, EngineLayers] = {}
+        try:
+            for dtype in lower:
+                model = load_model(
+                    cfg, prep.model_dir, dtype, prep.attribution_devices, f"layers={dtype}"
+                )
+                spilled[dtype] = capture_train(model, rollouts, indices)
+                del model
+            model = load_model(
+                cfg, prep.model_dir, "float32", prep.attribution_devices, "layers=float32"
+            )
+            for dtype, found in spilled.items():
+                views[f"transformers {dtype} vs float32"] = compare_run(model, rollouts, found)
+            del model
+        finally:
+            for found in spilled.values():
+                found.discard()
+    return views
+
+
+def capture_train(model: Any, rollouts: Sequence[Rollout], indices: Sequence[int]) -> EngineLayers:
+    """A training model's streams of ``indices``, spilled chunk by chunk like the engine's."""
+    from mismatch_probe.training.layers import hidden_streams
+
+    found = EngineLayers(Path(tempfile.mkdtemp(prefix="probe-layers-")))
+    try:
+        for start in range(0, len(indices), CHUNK):
+            files = []
+            for i in indices[start : start + CHUNK]:
+                path = found.folder / f"{i}.npy"
+                np.save(path, hidden_streams(model, token_ids(rollouts[i])))
+                files.append((i, path))
+            found.chunks.append(files)
+    except BaseException:
+        found.discard()
+        raise
+    return found
+
+
+def compared_routes(
+    cfg: ScanConfig, scored: dict[Setting, Any], found: dict[Setting, LayerSums]
+) -> dict[Setting, tuple[list[Any], list[Any]]]:
+    """MoE: each compared setting's engine and training routes of its compared sequences
+    ({} for a dense model)."""
+    out = {}
+    for setting in found:
+        r = scored.get(setting)
+        if r is None or r.rollout_routes is None or r.train_routes is None:
+            continue
+        keep = picked(cfg, r.rollouts)
+        out[setting] = ([r.rollout_routes[i] for i in keep], [r.train_routes[i] for i in keep])
+    return out
+
+
 def discard(runs: Sequence[RolloutRun]) -> None:
     """Remove the spilled chunk files (after the last training model)."""
     for run in runs:
@@ -174,9 +250,18 @@ def discard(runs: Sequence[RolloutRun]) -> None:
             run.layers.discard()
 
 
-def finish(found: dict[Setting, LayerSums], offsets: dict[Setting, int]) -> dict[str, Any]:
+def finish(
+    found: dict[Setting, LayerSums],
+    offsets: dict[Setting, int],
+    views: dict[str, LayerSums] | None = None,
+    view_offset: int = 0,
+    routes: dict[Setting, tuple[list[Any], list[Any]]] | None = None,
+) -> dict[str, Any]:
     """``layers.json``'s content ({} without ``--layers``): per setting its curve against the
-    floor (the identity setting's, when it ran)."""
+    floor (the identity setting's, when it ran); the training-side precision views (``views``,
+    their sequences numbered from ``view_offset``) against the same floor. For an MoE model
+    (``routes``: each setting's engine and training routes of the compared sequences) the
+    layers where the two sides routed a token differently are marked (``mark_routing``)."""
     if not found:
         return {}
     floor, source = floor_of(found.get(IDENTITY))
@@ -187,5 +272,16 @@ def finish(found: dict[Setting, LayerSums], offsets: dict[Setting, int]) -> dict
         for row in entry["layers"]:
             for worst in row["worst_tokens"]:
                 worst["seq_id"] = offsets.get(setting, 0) + worst.pop("sequence")
+        if routes and setting in routes:
+            mark_routing(entry, routing_flips(*routes[setting], sums.layers))
         settings[setting.name] = entry
-    return {"floor_source": label, "settings": settings}
+    out: dict[str, Any] = {"floor_source": label, "settings": settings}
+    if views:
+        out["views"] = {}
+        for name, sums in views.items():
+            entry = curve(sums, floor, label)
+            for row in entry["layers"]:
+                for worst in row["worst_tokens"]:
+                    worst["seq_id"] = view_offset + worst.pop("sequence")
+            out["views"][name] = entry
+    return out

@@ -244,9 +244,13 @@ def run_range(
     found_layers: dict[Setting, Any] = {}  # --layers: per-layer sums of each setting
     try:
         scored = rescoring.rescore_all(cfg, rng, runs, timer, progress, found_layers)
+        views = layers.precision_views(cfg, rng, runs, timer)  # {} without --layers
     finally:
         layers.discard(runs)  # the engine streams' chunk files
     assign_seq_ids(scored, cfg.settings(), total, first * cfg.samples_per_prompt)
+    ran = next((r.setting for r in runs if r.rollouts), None)  # the views' sequences
+    first_rollout = next((s for s in scored if s.rollout == ran), None)
+    view_offset = scored[first_rollout].seq_offset if first_rollout is not None else 0
     attribution.train_step(cfg, rng, runs, scored, timer)  # nothing without --attribute
     record = {
         "shard": part.shard,
@@ -258,7 +262,13 @@ def run_range(
         "attribution_device_map": dict(rng.attribution_devices),
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "layers": layers.finish(found_layers, {s: r.seq_offset for s, r in scored.items()}),
+        "layers": layers.finish(
+            found_layers,
+            {s: r.seq_offset for s, r in scored.items()},
+            views,
+            view_offset,
+            layers.compared_routes(cfg, scored, found_layers),  # MoE: routing flips marked
+        ),
     }
     with timer("writing"):
         run = run_metadata(cfg, rng, runs, timer.seconds)

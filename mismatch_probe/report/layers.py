@@ -58,6 +58,10 @@ def markdown_section(data: dict[str, Any], plot: Path | None, base: Path) -> str
     lines = ["## Layers", "", escape(NOTE), ""]
     lines += [*table(HEADER, summary_rows(data), "lrrrr"), ""]
     lines += [f"Floor: {escape(str(data.get('floor_source', '?')))}.", ""]
+    for name, entry in data["settings"].items():  # MoE: where the sides routed differently
+        if "routing_flip_layers" in entry:
+            marked = ", ".join(map(str, entry["routing_flip_layers"])) or "none"
+            lines += [f"{escape(name)}: a token routed to other experts at layers {marked}.", ""]
     if plot is not None:
         lines += [f"![layers]({plot.relative_to(base).as_posix()})", ""]
     return "\n".join(lines)

@@ -60,6 +60,12 @@ def _attribution() -> dict[str, Any]:
     return bench_attribution()
 
 
+def _layers() -> dict[str, Any]:
+    from tests.bench.layers import bench_layers
+
+    return bench_layers()
+
+
 def _sharded_scan() -> dict[str, Any]:
     from tests.bench.sharded_scan import bench_sharded_scan
 
@@ -130,6 +136,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "multiturn": _multiturn,
     "lifecycle": _lifecycle,
     "watch": _watch,
+    "layers": _layers,
 }
 
 
