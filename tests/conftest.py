@@ -38,6 +38,7 @@ FIRST = (
     "test_attribution_cli.py",
     "test_identity.py",
     "test_multiturn_scan.py",
+    "test_layer_streams.py",
 )
 
 TINY_CONTEXT = 512

@@ -148,7 +148,9 @@ def test_precision_view_without_engine(streams: dict[str, Any], tiny_model: Path
     cfg = ScanConfig(model=tiny_model, layers=True, train_dtypes=("float32", "bfloat16"))
     prep = SimpleNamespace(model_dir=tiny_model, attribution_devices={})
     run = SimpleNamespace(rollouts=rollouts, layers=object())
-    views = layers.precision_views(cfg, prep, [run], Timer())  # type: ignore[arg-type]
+    from mismatch_probe.pipeline.rescoring import load_model
+
+    views = layers.precision_views(cfg, prep, [run], Timer(), load_model)  # type: ignore[arg-type]
     assert list(views) == ["transformers bfloat16 vs float32"]
     mean = views["transformers bfloat16 vs float32"].mean_rel()
     engine = _sums(streams["bf16"], streams["train"]).mean_rel()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -168,7 +168,11 @@ def train_step(
 
 
 def precision_views(
-    cfg: ScanConfig, prep: Any, runs: Sequence[RolloutRun], timer: Timer
+    cfg: ScanConfig,
+    prep: Any,
+    runs: Sequence[RolloutRun],
+    timer: Timer,
+    load_model: Callable[..., Any],
 ) -> dict[str, LayerSums]:
     """The training side alone at each lower precision of the scan (its rollout and training
     dtypes other than float32) against float32, on the first rollout setting's sequences: the
@@ -176,11 +180,12 @@ def precision_views(
     without a lower precision). One model at a time: the lower precision's streams are spilled,
     then compared with the float32 model's, chunk by chunk.
 
+    Args:
+        load_model: the scan's loader of training-side models (``rescoring.load_model``).
+
     Returns:
         ``"transformers <dtype> vs float32"`` -> per-layer sums.
     """
-    from mismatch_probe.pipeline.rescoring import load_model
-
     done = [r for r in runs if r.rollouts and r.layers is not None]
     lower = [d for d in dict.fromkeys([*cfg.rollout_dtypes, *cfg.train_dtypes]) if d != "float32"]
     if not cfg.layers or not done or not lower:

@@ -244,7 +244,7 @@ def run_range(
     found_layers: dict[Setting, Any] = {}  # --layers: per-layer sums of each setting
     try:
         scored = rescoring.rescore_all(cfg, rng, runs, timer, progress, found_layers)
-        views = layers.precision_views(cfg, rng, runs, timer)  # {} without --layers
+        views = layers.precision_views(cfg, rng, runs, timer, rescoring.load_model)
     finally:
         layers.discard(runs)  # the engine streams' chunk files
     assign_seq_ids(scored, cfg.settings(), total, first * cfg.samples_per_prompt)
