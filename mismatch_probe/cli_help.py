@@ -20,7 +20,7 @@ from mismatch_probe.options import PANELS
 # The order of ``probe --help``'s command list: the main command first, the rest as a user meets
 # them. A command missing here is listed after these, in the order it was added.
 COMMAND_ORDER = (
-    "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models"
+    "scan", "report", "check", "compare", "metrics", "layers", "ingest", "watch", "export", "models"
 )  # fmt: skip
 
 # Command path -> example command lines (each also a command line of a docs page).
