@@ -152,7 +152,15 @@ def capture(llm: Any, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    # prompt_logprobs alone already skips reading the prefix cache (vLLM's SamplingParams):
+    # said explicitly, every position is computed
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        prompt_logprobs=0,
+        detokenize=False,
+        skip_reading_prefix_cache=True,
+    )
     out: list[np.ndarray] = []
     for ids in sequences:
         run_on_model(llm, take)  # nothing left from an earlier step
