@@ -4,7 +4,8 @@ The engine's streams come from forward hooks on vLLM's decoder layers (``engine.
 registered with ``LLM.apply_model``); the training side's from transformers' hidden states.
 One module fixture captures, with the pool's float32 engine, the streams of a few prompts as
 they are, then with one norm weight of the last layer scaled inside the engine only (through
-``apply_model``, restored after), then with the bfloat16 engine. One end-to-end scan checks
+``apply_model``, restored after), then with the bfloat16 engine; once more in a multiprocess
+engine. One end-to-end scan checks
 ``layers.json``.
 
 Tolerances:
@@ -227,3 +228,29 @@ def test_layers_refused_out_of_eager_mode(
     code, err = run_probe_err([*args, "--vllm-arg", "enforce_eager=false"], monkeypatch, capsys)
     assert code == 2 and "eager mode" in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
+
+
+def test_multiprocess_engine_captures_the_same_streams(
+    streams: dict[str, Any], tiny_model: Path
+) -> None:
+    """The hooks in vLLM's multiprocess engine (worker process: the hook functions pickled,
+    the captures back through msgpack) give the in-process engine's streams."""
+    from mismatch_probe.engine import rollout
+    from mismatch_probe.sampling import SamplingSpec
+    from mismatch_probe.settings import RolloutSetting
+
+    from .conftest import TINY_CONTEXT
+
+    extra = {"kv_cache_memory_bytes": 128 << 20}
+    kwargs = rollout.engine_kwargs(
+        tiny_model, RolloutSetting("float32"), SamplingSpec(), TINY_CONTEXT, extra
+    )
+    env = {**rollout.engine_env(kwargs=kwargs), **engine_layers.ENGINE_ENV}
+    env[rollout.MULTIPROCESSING_ENV] = "1"
+    assert rollout.engine_mode(env) == rollout.MULTIPROCESS
+    ids = [list(streams["prompts"][0].token_ids)]
+    with rollout.engine(kwargs, env) as llm:
+        (got,) = _captured(llm, ids)
+    bound = REORDER_ULPS * EPS["float32"] * (got.shape[1] + 1)
+    rel = np.linalg.norm(got - streams["plain"][0], axis=-1)
+    assert (rel / np.linalg.norm(streams["plain"][0], axis=-1)).max() < bound
