@@ -5,8 +5,7 @@ registered with ``LLM.apply_model``); the training side's from transformers' hid
 One module fixture captures, with the pool's float32 engine, the streams of a few prompts as
 they are, then with one norm weight of the last layer scaled inside the engine only (through
 ``apply_model``, restored after), then with the bfloat16 engine; once more in a multiprocess
-engine. One end-to-end scan checks
-``layers.json``.
+engine. One end-to-end scan checks ``layers.json``, and ``probe layers`` runs on it again.
 
 Tolerances:
 
