@@ -52,6 +52,8 @@ from mismatch_probe.options import (
     IntervalOpt,
     JsonOpt,
     KvCacheDtypeOpt,
+    LayersOpt,
+    LayersSequencesOpt,
     LmHeadFp32Opt,
     LogprobsModeOpt,
     MaxBoundOpt,
@@ -173,6 +175,7 @@ def metrics_command(
     from mismatch_probe.report.integrity import integrity_json, integrity_text
     from mismatch_probe.report.metrics_table import render_metrics
     from mismatch_probe.rundir.integrity import run_integrity
+    from mismatch_probe.rundir.layers import first_divergent
     from mismatch_probe.store import resolve_tokens_path
 
     number = None if step is None else resolve_step(resolve_tokens_path(path), step)
@@ -189,6 +192,7 @@ def metrics_command(
             "integrity": integrity_json(integrity, number),
             **result.flat(),
             "recommendation": found.to_dict(),
+            **first_divergent(path, setting),  # a run scanned with --layers
         }
         print(json.dumps(data, allow_nan=False))
     else:
@@ -500,6 +504,8 @@ def scan(
     ray_timeout: RayTimeoutOpt = SCAN.ray_timeout,
     resume: ResumeOpt = SCAN.resume,
     verbose: VerboseOpt = SCAN.verbose,
+    layers: LayersOpt = SCAN.layers,
+    layers_sequences: LayersSequencesOpt = SCAN.layers_sequences,
 ) -> None:
     """Generate rollouts with vLLM, rescore the same tokens with transformers, measure.
 
@@ -518,6 +524,24 @@ def scan(
     console = _stdout_console()
     render_run(result.report, console)
     render_summary(result, console)
+
+
+@app.command(cls=ProbeCommand, epilog=epilog("layers"))
+def layers(
+    run_dir: RunDirArg,
+    layers_sequences: LayersSequencesOpt = None,
+) -> None:
+    """Compare both sides' residual streams layer by layer on an existing scan's tokens.
+
+    Starts each rollout setting's engine again as the scan ran it and loads each training
+    dtype: layers.json, then the reports re-rendered with their Layers section.
+    """
+    from mismatch_probe.pipeline.layers_run import run_layers
+    from mismatch_probe.report.layers import render as render_layers
+
+    data, paths = run_layers(run_dir, layers_sequences)
+    render_layers(data, _stdout_console())
+    _print_paths(_stdout_console(), paths)
 
 
 @app.command(cls=ProbeCommand, epilog=epilog("ingest"))

@@ -20,8 +20,8 @@ from mismatch_probe.options import PANELS
 # The order of ``probe --help``'s command list: the main command first, the rest as a user meets
 # them. A command missing here is listed after these, in the order it was added.
 COMMAND_ORDER = (
-    "scan", "report", "check", "compare", "metrics", "ingest", "watch", "export", "models",
-    "refit", "selftest",
+    "scan", "report", "check", "compare", "metrics", "layers", "ingest", "watch", "export",
+    "models", "refit", "selftest",
 )  # fmt: skip
 
 # Command path -> example command lines (each also a command line of a docs page).
@@ -74,6 +74,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "models prepare": ("probe models prepare",),
     "models tiny": ("probe models tiny /tmp/tiny-moe --arch qwen3_moe",),
     "selftest": ("probe selftest", "probe selftest --model /tmp/tiny --out runs/selftest"),
+    "layers": ("probe layers reports/demo", "probe layers reports/demo --layers-sequences 8"),
 }
 
 

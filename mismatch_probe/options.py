@@ -505,6 +505,28 @@ StaleModelOpt = Annotated[
     ),
 ]
 
+LayersOpt = Annotated[
+    bool,
+    typer.Option(
+        "--layers",
+        metavar="",
+        rich_help_panel=ATTRIBUTION,
+        help="Also compare both sides' residual streams after every decoder layer (engine "
+        "hooks during a prefill of the scanned ids against transformers' hidden states): "
+        "layers.json with each setting's first_divergent_layer. Needs eager mode.",
+    ),
+]
+
+LayersSequencesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--layers-sequences",
+        metavar="K",
+        rich_help_panel=ATTRIBUTION,
+        help="With --layers: compare only the first K sequences of each setting (default: all).",
+    ),
+]
+
 BatchTokensOpt = Annotated[
     int,
     typer.Option(

@@ -42,6 +42,7 @@ FIRST = (
     "test_identity.py",
     "test_multiturn_scan.py",
     "test_selftest.py",
+    "test_layer_streams.py",
 )
 
 TINY_CONTEXT = 512

@@ -533,6 +533,10 @@ STRUCTURED: dict[str, str] = {
     "store": "the token store these metrics were computed from: its row count and each Parquet "
     "part's size and footer SHA-256 (`store.fingerprint`); a report reuses `metrics.json` only "
     "while the store still matches",
+    "first_divergent_layer": "`probe scan --layers`: the first decoder layer (0-based) whose "
+    "mean RMS-relative difference of the residual stream, engine against training, exceeds 10x "
+    "the float32 floor at that layer; null when none does (key absent without `--layers`; the "
+    "whole curve is in `layers.json`)",
 }
 
 

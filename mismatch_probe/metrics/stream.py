@@ -75,6 +75,7 @@ STRUCTURED_KEYS = (
     "recommendation",
     "per_turn",
     "store",  # metrics.json's tie to its token store (store.fingerprint)
+    "first_divergent_layer",
 )
 
 

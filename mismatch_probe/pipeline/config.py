@@ -71,6 +71,8 @@ class ScanConfig:
     ray_timeout: float = 10.0  # seconds a Ray cluster has to answer (--ray ADDRESS)
     resume: bool = False  # sharded: skip the finished shards of the same --out
     verbose: bool = False  # the engines' logs on the terminal instead of a log file
+    layers: bool = False  # compare both sides' residual streams layer by layer (issue 36)
+    layers_sequences: int | None = None  # --layers: only the first K sequences (None: all)
 
     def __post_init__(self) -> None:
         s = self.sampling

@@ -20,7 +20,7 @@ from typing import Any
 from mismatch_probe import interrupt, models
 from mismatch_probe.engine import batch_invariant, process, rollout, turns
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.pipeline import attribution, routes
+from mismatch_probe.pipeline import attribution, layers, routes
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, RolloutRun
 from mismatch_probe.pipeline.timing import Timer
@@ -75,6 +75,7 @@ def _after_engine(cfg: ScanConfig, prep: Prepared, llm: Any, run: RolloutRun, ti
     the prefill rungs (``--attribute``) and the routes (MoE); no-ops where they don't apply."""
     run.rungs = attribution.engine_step(cfg, llm, run.rollouts, timer)
     run.routes = routes.capture(llm, run.rollouts, prep.routing, timer)
+    layers.engine_step(cfg, llm, run, timer)  # --layers: the engine's streams
 
 
 def _sampler(cfg: ScanConfig, prep: Prepared, timer: Timer, progress: Any) -> Produce:
@@ -136,7 +137,7 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
     try:
         with timer("engine_start"):
             rollout.check_supported(run.setting)
-            extra = {**prep.engine_defaults, **cfg.vllm_args}  # multi-turn: prefix cache
+            extra = {**prep.engine_defaults, **layers.engine_kwargs(cfg), **cfg.vllm_args}
             kwargs = rollout.engine_kwargs(
                 prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, extra
             )
@@ -144,6 +145,7 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
             env = {
                 **routes.engine_env(prep.routing),
                 **batch_invariant.engine_env(cfg.batch_invariant),
+                **layers.engine_env(cfg),
             }
             run.engine_env = rollout.engine_env(env, run.engine_args)
             run.engine_mode = rollout.engine_mode(run.engine_env)

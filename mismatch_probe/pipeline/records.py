@@ -75,6 +75,7 @@ class RolloutRun:
     engine_env: dict[str, str] = field(default_factory=dict)
     rungs: EngineRungs | None = None  # --attribute: the engine's prefill rungs
     engine_mode: str | None = None  # rollout.IN_PROCESS or MULTIPROCESS (None: not started)
+    layers: Any = None  # --layers: the engine's captured streams (pipeline.layers.EngineLayers)
 
     @property
     def tokens_per_s(self) -> float:

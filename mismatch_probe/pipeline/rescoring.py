@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.pipeline import routes, trajectory
+from mismatch_probe.pipeline import layers, routes, trajectory
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun
 from mismatch_probe.pipeline.timing import Timer
@@ -35,10 +35,19 @@ def load_model(
 
 
 def rescore_all(
-    cfg: ScanConfig, prep: Prepared, runs: list[RolloutRun], timer: Timer, progress: Any
+    cfg: ScanConfig,
+    prep: Prepared,
+    runs: list[RolloutRun],
+    timer: Timer,
+    progress: Any,
+    found_layers: dict[Setting, Any] | None = None,
 ) -> dict[Setting, Rescored]:
     """Every setting whose rollout setting produced tokens, rescored, in the scan's setting
     order (``seq_offset`` still 0: ``scan.assign_seq_ids`` places them).
+
+    Args:
+        found_layers: ``--layers``: each own-routes setting's per-layer sums, filled while its
+            training model is loaded (``layers.train_step``).
 
     Raises:
         ProbeError: no rollout setting produced tokens.
@@ -48,6 +57,7 @@ def rescore_all(
         reasons = "; ".join(f"{r.setting.name}: {r.skipped}" for r in runs)
         raise ProbeError(f"no setting could run ({reasons})")
     scored: dict[Setting, Rescored] = {}
+    found = {} if found_layers is None else found_layers
     for train_dtype in cfg.train_dtypes:
         with timer("model_load"):
             model = load_model(cfg, prep.model_dir, train_dtype, prep.train_devices, train_dtype)
@@ -55,6 +65,7 @@ def rescore_all(
             setting = Setting(run.setting, train_dtype, mode)
             with timer("rescoring"):
                 scored[setting] = _rescore_one(cfg, prep, model, run, setting, progress)
+        layers.train_step(cfg, model, train_dtype, done, found, timer)  # no-op without --layers
         del model
     order = {s: i for i, s in enumerate(cfg.settings())}
     return dict(sorted(scored.items(), key=lambda item: order[item[0]]))

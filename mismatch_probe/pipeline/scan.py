@@ -34,7 +34,7 @@ from mismatch_probe.engine import batch_invariant, process, turns
 from mismatch_probe.engine.args import check_engine_args
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.models.checkpoint import check_weights
-from mismatch_probe.pipeline import attribution, engines, rescoring, routes, trajectory
+from mismatch_probe.pipeline import attribution, engines, layers, rescoring, routes, trajectory
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
 from mismatch_probe.pipeline.runinfo import run_metadata, run_record
@@ -82,6 +82,7 @@ def check_inputs(cfg: ScanConfig, out: bool = True) -> Inputs:
         require_ray()
     out_dir = check_out(cfg, cfg.out, create=False) if out and cfg.out is not None else None
     attribution.check(cfg)
+    layers.check(cfg)
     model_dir = models.resolve_model(cfg.model)
     attribution.check_stale(cfg.stale_model, model_dir)
     check_weights(model_dir)  # what the engine will load, checked before it starts
@@ -256,8 +257,16 @@ def run_range(
     total = len(prep.prompts) * cfg.samples_per_prompt  # the whole scan's sequences per setting
     rng = replace(prep, prompts=prep.prompts[first:stop])
     runs = engines.run_engines(cfg, rng, timer, progress, console)
-    scored = rescoring.rescore_all(cfg, rng, runs, timer, progress)
+    found_layers: dict[Setting, Any] = {}  # --layers: per-layer sums of each setting
+    try:
+        scored = rescoring.rescore_all(cfg, rng, runs, timer, progress, found_layers)
+        views = layers.precision_views(cfg, rng, runs, timer, rescoring.load_model)
+    finally:
+        layers.discard(runs)  # the engine streams' chunk files
     assign_seq_ids(scored, cfg.settings(), total, first * cfg.samples_per_prompt)
+    ran = next((r.setting for r in runs if r.rollouts), None)  # the views' sequences
+    first_rollout = next((s for s in scored if s.rollout == ran), None)
+    view_offset = scored[first_rollout].seq_offset if first_rollout is not None else 0
     attribution.train_step(cfg, rng, runs, scored, timer)  # nothing without --attribute
     record = {
         "shard": part.shard,
@@ -269,6 +278,13 @@ def run_range(
         "attribution_device_map": dict(rng.attribution_devices),
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "layers": layers.finish(
+            found_layers,
+            {s: r.seq_offset for s, r in scored.items()},
+            views,
+            view_offset,
+            layers.compared_routes(cfg, scored, found_layers),  # MoE: routing flips marked
+        ),
     }
     with timer("writing"):
         run = run_metadata(cfg, rng, runs, timer.seconds)
@@ -318,6 +334,7 @@ def finish(
     ``run.json``."""
     from mismatch_probe.pipeline.publish import publish
     from mismatch_probe.rundir import RunData, build_report
+    from mismatch_probe.rundir.layers import write_layers
 
     out = prep.out_dir
     runs, speed = merged_runs(cfg, records)
@@ -336,6 +353,8 @@ def finish(
         routing_paths, routing = routes.finish(out, prep.routing, present, run)  # {} for dense
         paths.update(routing_paths)
         found = attribution.finish(paths["tokens"])  # {} without --attribute
+        layers_data = records[0].get("layers") or {}  # {} without --layers
+        paths.update(write_layers(out, layers_data))
     with timer("reports"):
         data = RunData(
             run,
@@ -344,6 +363,7 @@ def finish(
             throughput={s.name: speed[s.rollout] for s in present},
             routing=routing,
             attribution=found,
+            layers=layers_data,
         )
         report, entries = build_report(out, data)
         paths.update(publish(report, entries, out))

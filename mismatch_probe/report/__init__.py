@@ -59,7 +59,7 @@ def write_outputs(
     Returns:
         ``{"metrics": ..., "report": ..., "integrity": ..., "html": ..., "plot_<name>": ...}``
     """
-    from mismatch_probe.report import attribution, turns
+    from mismatch_probe.report import attribution, layers, turns
     from mismatch_probe.report.html import write_html
     from mismatch_probe.report.markdown import render_markdown
     from mismatch_probe.report.plots import write_plots
@@ -81,6 +81,9 @@ def write_outputs(
         attribution_plot = attribution.write_plot(ctx.attribution, plots_dir)
         extra_plots.update({k: written[k] for k in ("attribution",) if k in written})
         extra_plots.update({"plot_attribution": attribution_plot} if attribution_plot else {})
+        layers_plot = layers.write_plot(ctx.layers, plots_dir)  # --layers
+        extra_plots.update({k: written[k] for k in ("layers",) if k in written})
+        extra_plots.update({"plot_layers": layers_plot} if layers_plot else {})
         trend, trend_plot = write_trend(ctx, plots_dir, out)
         if trend_plot:
             extra_plots["plot_trend"] = trend_plot
@@ -92,6 +95,7 @@ def write_outputs(
             settings_markdown(matrix, out) if matrix else "",
             routing_markdown(ctx.routing, routing_plots),
             attribution.markdown_section(ctx.attribution, attribution_plot, out),
+            layers.markdown_section(ctx.layers, layers_plot, out),
             trend,
         ]
         text = "\n".join(section for section in sections if section)
@@ -112,7 +116,7 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
 
     from rich.text import Text
 
-    from mismatch_probe.report import attribution
+    from mismatch_probe.report import attribution, layers
     from mismatch_probe.report.integrity import integrity_text
     from mismatch_probe.report.sections import visible
     from mismatch_probe.report.settings import render_settings
@@ -132,3 +136,4 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
     if ctx.trend is not None:
         console.print(render_table(ctx.trend))
     attribution.render(ctx.attribution, console)
+    layers.render(ctx.layers, console)

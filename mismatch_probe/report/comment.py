@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from mismatch_probe.gate.compare import CHANGE_LEVEL, Comparison
 from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, evaluate
-from mismatch_probe.report import turns
+from mismatch_probe.report import layers, turns
 from mismatch_probe.report.integrity import integrity_markdown, runs_markdown
 from mismatch_probe.report.markdown import (
     VERDICT_MARK,
@@ -230,6 +230,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
     head += decisions.recommendation_md(ctx.tables, ctx.setting)
+    head += layers.comment_lines(ctx.layer_curve())  # --layers
     parts = [
         ("Header", head),
         *top,

@@ -121,6 +121,7 @@ class RunContext:
         attribution: setting -> links (``--attribute``; {} without).
         trend: an ingested run's key metrics against training step (None without steps).
         steps: the per-step metrics the trend was made from (``steps.json``).
+        layers: ``layers.json`` (``--layers``; {} without).
     """
 
     run_dir: Path
@@ -141,6 +142,7 @@ class RunContext:
     attribution: dict[str, Any] = field(default_factory=dict)
     trend: Trend | None = None
     steps: Steps | None = None
+    layers: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -150,9 +152,17 @@ class RunContext:
 
     def json_dict(self) -> dict[str, Any]:
         """What ``metrics.json`` holds: flat metrics + ``config`` + ``curves`` + ``tables``
-        (+ ``per_turn``)."""
+        (+ ``per_turn``, + ``first_divergent_layer`` with ``--layers``)."""
         data = {**self.metrics, "config": self.config, "curves": self.curves, **self.tables}
-        return {**data, "per_turn": list(self.per_turn)} if self.per_turn else data
+        data = {**data, "per_turn": list(self.per_turn)} if self.per_turn else data
+        curve = self.layer_curve()
+        return {**data, "first_divergent_layer": curve["first_divergent_layer"]} if curve else data
+
+    def layer_curve(self) -> dict[str, Any] | None:
+        """This setting's ``layers.json`` curve (None without ``--layers``)."""
+        setting = self.setting or self.run.get("setting")
+        found = self.layers.get("settings", {}).get(setting)
+        return found if isinstance(found, dict) else None
 
 
 def load_run(
@@ -227,6 +237,7 @@ def build_run(
         drift_example=_rerender_example(tokens, setting, flat),
         routing=data.routing,
         attribution=order_attribution(found, _recorded_settings(run)),
+        layers=data.layers,
     )
 
 

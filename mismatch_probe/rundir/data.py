@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.rundir.attribution import Attribution, read_attribution
+from mismatch_probe.rundir.layers import Layers, read_layers
 from mismatch_probe.rundir.routing import load_routing
 from mismatch_probe.rundir.trend import Steps, read_steps
 
@@ -43,6 +44,7 @@ class RunData:
         steps: the per-step metrics (``steps.json``) of an ingested run, None when unknown.
         integrity: the integrity findings when the producer computed them from this store in
             the same pass as its metrics (``probe ingest``); None: computed from the store.
+        layers: ``layers.json`` (``--layers``; {} without).
     """
 
     run: dict[str, Any]
@@ -53,6 +55,7 @@ class RunData:
     attribution: Attribution | None = None
     steps: Steps | None = None
     integrity: Integrity | None = None
+    layers: Layers = field(default_factory=dict)
 
 
 def read_data(run_dir: Path, report: bool = True) -> RunData:
@@ -65,15 +68,16 @@ def read_data(run_dir: Path, report: bool = True) -> RunData:
         ProbeError: an invalid ``run.json`` or ``routing.json``.
     """
     run_dir = Path(run_dir)
-    run, found = read_run(run_dir), read_attribution(run_dir)
+    run, found, layers = read_run(run_dir), read_attribution(run_dir), read_layers(run_dir)
     if not report:
-        return RunData(run, attribution=found)
+        return RunData(run, attribution=found, layers=layers)
     return RunData(
         run,
         throughput=throughput(run_dir),
         routing=load_routing(run_dir),
         attribution=found,
         steps=read_steps(run_dir),
+        layers=layers,
     )
 
 

@@ -60,6 +60,12 @@ def _attribution() -> dict[str, Any]:
     return bench_attribution()
 
 
+def _layers() -> dict[str, Any]:
+    from tests.bench.layers import bench_layers
+
+    return bench_layers()
+
+
 def _sharded_scan() -> dict[str, Any]:
     from tests.bench.sharded_scan import bench_sharded_scan
 
@@ -137,6 +143,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "lifecycle": _lifecycle,
     "watch": _watch,
     "refit": _refit,
+    "layers": _layers,
 }
 
 

@@ -1,0 +1,292 @@
+"""The layer stage of ``probe scan --layers``: where in the network the two sides part.
+
+While each rollout setting's engine is up (``engine_step``), forward hooks on vLLM's decoder
+layers (``engine.layers``) capture the residual stream of the first ``--layers-sequences``
+sequences (all without it) during a prefill of their token ids (prompt + response), a chunk of
+``CHUNK`` sequences at a time, each chunk spilled to a temporary ``.npy`` file (the engine and the
+training model never share memory). While each training model is loaded (``train_step``, called
+by the rescoring stage), each chunk is read back, the training side's hidden states computed for
+the same ids (``training.layers``), both compared and reduced to per-layer sums
+(``metrics.layers.LayerSums``) before the next chunk: ``[tokens, layers, hidden]`` never exists
+for more than a chunk. ``finish`` turns the sums into ``layers.json`` (``rundir.layers``): the
+floor is the identity setting's curve (float32 rollout against float32 training) when the scan
+has one, else ``NOMINAL_FLOOR``, and is named as such.
+
+Only the own-routes settings (``--routing-replay none``) are compared: the training side's hidden
+states are computed with the model's own routes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mismatch_probe.engine import layers as engine_layers
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics.layers import LayerSums, curve, floor_of, mark_routing, routing_flips
+from mismatch_probe.settings import RolloutSetting, Setting
+
+if TYPE_CHECKING:
+    from mismatch_probe.engine.rollout import Rollout
+    from mismatch_probe.pipeline.config import ScanConfig
+    from mismatch_probe.pipeline.records import RolloutRun
+    from mismatch_probe.pipeline.timing import Timer
+
+CHUNK = 4  # sequences captured, compared and reduced at a time
+IDENTITY = Setting(RolloutSetting("float32"), "float32")  # the floor's comparison
+
+
+@dataclass
+class EngineLayers:
+    """One rollout setting's captured streams: chunk files of ``[T, L, H]`` arrays, one per
+    sequence, and the rollout index of each sequence."""
+
+    folder: Path
+    chunks: list[list[tuple[int, Path]]] = field(default_factory=list)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def check(cfg: ScanConfig) -> None:
+    """Refuse, before any engine starts, what ``--layers`` cannot measure.
+
+    Raises:
+        ProbeError: ``--layers-sequences`` without ``--layers`` or below 1, an engine out of
+            eager mode, a sharded scan.
+    """
+    if cfg.layers_sequences is not None and not cfg.layers:
+        raise ProbeError("--layers-sequences needs --layers")
+    if not cfg.layers:
+        return
+    if cfg.layers_sequences is not None and cfg.layers_sequences < 1:
+        raise ProbeError(f"--layers-sequences must be >= 1, got {cfg.layers_sequences}")
+    if cfg.sharded:
+        raise ProbeError("--layers runs on a whole scan; drop --shards/--ray")
+    engine_layers.check_eager({**engine_kwargs(cfg), **cfg.vllm_args})
+
+
+def engine_kwargs(cfg: ScanConfig) -> dict[str, Any]:
+    """Engine arguments ``--layers`` needs (eager mode; nothing without it)."""
+    return dict(engine_layers.ENGINE_KWARGS) if cfg.layers else {}
+
+
+def engine_env(cfg: ScanConfig) -> dict[str, str]:
+    """Environment ``--layers`` needs while the engine lives (the multiprocess engine pickles
+    the hook functions)."""
+    return dict(engine_layers.ENGINE_ENV) if cfg.layers else {}
+
+
+def token_ids(r: Rollout) -> list[int]:
+    """The ids of one sequence as both sides see them: prompt + everything after it."""
+    return [*r.prompt_ids, *r.continuation()]
+
+
+def picked(cfg: ScanConfig, rollouts: Sequence[Rollout]) -> list[int]:
+    """The rollout indices compared: the first ``--layers-sequences`` (all without it)."""
+    count = len(rollouts) if cfg.layers_sequences is None else cfg.layers_sequences
+    return list(range(min(count, len(rollouts))))
+
+
+def engine_step(cfg: ScanConfig, llm: Any, run: RolloutRun, timer: Timer) -> None:
+    """Capture the engine's streams of ``run`` (``run.layers``, timed as ``layers_capture``)
+    while its engine is up; nothing without ``--layers``."""
+    if not cfg.layers or not run.rollouts:
+        return
+    with timer("layers_capture"):
+        engine_layers.check_eager(run.engine_args)
+        run.layers = capture_run(llm, run.rollouts, picked(cfg, run.rollouts))
+
+
+def capture_run(llm: Any, rollouts: Sequence[Rollout], indices: Sequence[int]) -> EngineLayers:
+    """Every chunk of ``indices`` captured and spilled (the hooks installed for the capture
+    only)."""
+    found = EngineLayers(Path(tempfile.mkdtemp(prefix="probe-layers-")))
+    engine_layers.run_on_model(llm, engine_layers.install)
+    try:
+        for start in range(0, len(indices), CHUNK):
+            chunk = indices[start : start + CHUNK]
+            streams = engine_layers.capture(llm, [token_ids(rollouts[i]) for i in chunk])
+            files = []
+            for i, stream in zip(chunk, streams, strict=True):
+                path = found.folder / f"{i}.npy"
+                np.save(path, stream)
+                files.append((i, path))
+            found.chunks.append(files)
+    except BaseException:
+        found.discard()
+        raise
+    finally:
+        engine_layers.run_on_model(llm, engine_layers.remove)
+    return found
+
+
+def compare_run(model: Any, rollouts: Sequence[Rollout], found: EngineLayers) -> LayerSums:
+    """The engine's streams of ``found`` against ``model``'s hidden states of the same ids,
+    chunk by chunk, reduced to per-layer sums."""
+    from mismatch_probe.training.layers import hidden_streams
+
+    sums: LayerSums | None = None
+    for chunk in found.chunks:
+        for i, path in chunk:
+            engine = np.load(path)
+            train = hidden_streams(model, token_ids(rollouts[i]))
+            if sums is None:
+                sums = LayerSums(engine.shape[1])
+            if engine.shape != train.shape:
+                raise ProbeError(
+                    f"--layers: engine streams {engine.shape}, training {train.shape} "
+                    "(the two sides' decoder layers differ)"
+                )
+            sums.add(engine, train, i)
+    return sums if sums is not None else LayerSums(0)
+
+
+def train_step(
+    cfg: ScanConfig,
+    model: Any,
+    train_dtype: str,
+    runs: Sequence[RolloutRun],
+    found: dict[Setting, LayerSums],
+    timer: Timer,
+) -> None:
+    """While the training model of ``train_dtype`` is loaded: every own-routes setting of it
+    compared (``found``, updated in place; timed as ``layers_compare``)."""
+    if not cfg.layers or "none" not in cfg.routing_replay:
+        return
+    with timer("layers_compare"):
+        for run in runs:
+            if run.layers is not None:
+                setting = Setting(run.setting, train_dtype)
+                found[setting] = compare_run(model, run.rollouts, run.layers)
+
+
+def precision_views(
+    cfg: ScanConfig,
+    prep: Any,
+    runs: Sequence[RolloutRun],
+    timer: Timer,
+    load_model: Callable[..., Any],
+) -> dict[str, LayerSums]:
+    """The training side alone at each lower precision of the scan (its rollout and training
+    dtypes other than float32) against float32, on the first rollout setting's sequences: the
+    precision's own curve, no engine (timed as ``layers_views``; {} without ``--layers`` or
+    without a lower precision). One model at a time: the lower precision's streams are spilled,
+    then compared with the float32 model's, chunk by chunk.
+
+    Args:
+        load_model: the scan's loader of training-side models (``rescoring.load_model``).
+
+    Returns:
+        ``"transformers <dtype> vs float32"`` -> per-layer sums.
+    """
+    done = [r for r in runs if r.rollouts and r.layers is not None]
+    lower = [d for d in dict.fromkeys([*cfg.rollout_dtypes, *cfg.train_dtypes]) if d != "float32"]
+    if not cfg.layers or not done or not lower:
+        return {}
+    rollouts = done[0].rollouts
+    indices = picked(cfg, rollouts)
+    views: dict[str, LayerSums] = {}
+    with timer("layers_views"):
+        spilled: dict[str, EngineLayers] = {}
+        try:
+            for dtype in lower:
+                model = load_model(
+                    cfg, prep.model_dir, dtype, prep.attribution_devices, f"layers={dtype}"
+                )
+                spilled[dtype] = capture_train(model, rollouts, indices)
+                del model
+            model = load_model(
+                cfg, prep.model_dir, "float32", prep.attribution_devices, "layers=float32"
+            )
+            for dtype, found in spilled.items():
+                views[f"transformers {dtype} vs float32"] = compare_run(model, rollouts, found)
+            del model
+        finally:
+            for found in spilled.values():
+                found.discard()
+    return views
+
+
+def capture_train(model: Any, rollouts: Sequence[Rollout], indices: Sequence[int]) -> EngineLayers:
+    """A training model's streams of ``indices``, spilled chunk by chunk like the engine's."""
+    from mismatch_probe.training.layers import hidden_streams
+
+    found = EngineLayers(Path(tempfile.mkdtemp(prefix="probe-layers-")))
+    try:
+        for start in range(0, len(indices), CHUNK):
+            files = []
+            for i in indices[start : start + CHUNK]:
+                path = found.folder / f"{i}.npy"
+                np.save(path, hidden_streams(model, token_ids(rollouts[i])))
+                files.append((i, path))
+            found.chunks.append(files)
+    except BaseException:
+        found.discard()
+        raise
+    return found
+
+
+def compared_routes(
+    cfg: ScanConfig, scored: dict[Setting, Any], found: dict[Setting, LayerSums]
+) -> dict[Setting, tuple[list[Any], list[Any]]]:
+    """MoE: each compared setting's engine and training routes of its compared sequences
+    ({} for a dense model)."""
+    out = {}
+    for setting in found:
+        r = scored.get(setting)
+        if r is None or r.rollout_routes is None or r.train_routes is None:
+            continue
+        keep = picked(cfg, r.rollouts)
+        out[setting] = ([r.rollout_routes[i] for i in keep], [r.train_routes[i] for i in keep])
+    return out
+
+
+def discard(runs: Sequence[RolloutRun]) -> None:
+    """Remove the spilled chunk files (after the last training model)."""
+    for run in runs:
+        if run.layers is not None:
+            run.layers.discard()
+
+
+def finish(
+    found: dict[Setting, LayerSums],
+    offsets: dict[Setting, int],
+    views: dict[str, LayerSums] | None = None,
+    view_offset: int = 0,
+    routes: dict[Setting, tuple[list[Any], list[Any]]] | None = None,
+) -> dict[str, Any]:
+    """``layers.json``'s content ({} without ``--layers``): per setting its curve against the
+    floor (the identity setting's, when it ran); the training-side precision views (``views``,
+    their sequences numbered from ``view_offset``) against the same floor. For an MoE model
+    (``routes``: each setting's engine and training routes of the compared sequences) the
+    layers where the two sides routed a token differently are marked (``mark_routing``)."""
+    if not found:
+        return {}
+    floor, source = floor_of(found.get(IDENTITY))
+    label = f"measured: {IDENTITY.name}" if source == "measured" else "nominal float32 rounding"
+    settings = {}
+    for setting, sums in found.items():
+        entry = curve(sums, floor, label)
+        for row in entry["layers"]:
+            for worst in row["worst_tokens"]:
+                worst["seq_id"] = offsets.get(setting, 0) + worst.pop("sequence")
+        if routes and setting in routes:
+            mark_routing(entry, routing_flips(*routes[setting], sums.layers))
+        settings[setting.name] = entry
+    out: dict[str, Any] = {"floor_source": label, "settings": settings}
+    if views:
+        out["views"] = {}
+        for name, sums in views.items():
+            entry = curve(sums, floor, label)
+            for row in entry["layers"]:
+                for worst in row["worst_tokens"]:
+                    worst["seq_id"] = view_offset + worst.pop("sequence")
+            out["views"][name] = entry
+    return out

@@ -1,0 +1,125 @@
+"""``--layers``: the report section, the terminal lines and ``plots/layers.png``.
+
+Renders what ``layers.json`` holds (handed over as ``RunContext.layers``): per setting its
+``first_divergent_layer`` and mean relative difference per layer against the floor; the
+training-side precision views (``views``: transformers at two dtypes, no engine) beside them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mismatch_probe.report.md import escape, table
+
+PLOT_FILE = "layers.png"
+NOTE = (
+    "Residual stream after every decoder layer, engine against training, on the same token ids "
+    "(the last layer after the final norm). A layer diverges at 10x the floor; a precision gap "
+    "diverges at layer 0 by physics: read the curve's growth."
+)
+
+
+def _curves(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every curve: the settings, then the views (labelled as such)."""
+    curves = dict(data.get("settings", {}))
+    curves.update({f"{name} (no engine)": v for name, v in data.get("views", {}).items()})
+    return curves
+
+
+def _layer(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def summary_rows(data: dict[str, Any]) -> list[list[str]]:
+    """``[curve, first divergent layer, largest growth, layer 0, last layer]`` per curve."""
+    rows = []
+    for name, entry in _curves(data).items():
+        means = [row["mean_rel"] for row in entry["layers"]]
+        rows.append(
+            [
+                escape(name),
+                _layer(entry["first_divergent_layer"]),
+                _layer(entry["largest_growth_layer"]),
+                f"{means[0]:.2e}" if means else "—",
+                f"{means[-1]:.2e}" if means else "—",
+            ]
+        )
+    return rows
+
+
+HEADER = ["curve", "first divergent layer", "largest growth", "mean rel. diff layer 0", "last"]
+
+
+def markdown_section(data: dict[str, Any], plot: Path | None, base: Path) -> str:
+    """``## Layers``: the note, one row per curve, the floor's source, the plot."""
+    if not data.get("settings"):
+        return ""
+    lines = ["## Layers", "", escape(NOTE), ""]
+    lines += [*table(HEADER, summary_rows(data), "lrrrr"), ""]
+    lines += [f"Floor: {escape(str(data.get('floor_source', '?')))}.", ""]
+    for name, entry in data["settings"].items():  # MoE: where the sides routed differently
+        if "routing_flip_layers" in entry:
+            marked = ", ".join(map(str, entry["routing_flip_layers"])) or "none"
+            lines += [f"{escape(name)}: a token routed to other experts at layers {marked}.", ""]
+    if plot is not None:
+        lines += [f"![layers]({plot.relative_to(base).as_posix()})", ""]
+    return "\n".join(lines)
+
+
+def comment_lines(curve: dict[str, Any] | None) -> list[str]:
+    """The pull-request comment's one line (nothing without ``--layers``)."""
+    if curve is None:
+        return []
+    return [
+        f"**First divergent layer:** {_layer(curve['first_divergent_layer'])} "
+        f"(largest growth at layer {_layer(curve['largest_growth_layer'])}; `layers.json`)",
+        "",
+    ]
+
+
+def render(data: dict[str, Any], console: Any) -> None:
+    """The terminal lines: one per curve."""
+    if not data.get("settings"):
+        return
+    from rich.table import Table
+
+    view = Table(title="Layers (first divergent layer, engine against training)")
+    for name in HEADER:
+        view.add_column(name)
+    for row in summary_rows(data):
+        view.add_row(*row)
+    console.print(view)
+
+
+def write_plot(data: dict[str, Any], plots_dir: Path) -> Path | None:
+    """``plots/layers.png``: mean relative difference per layer, one curve per setting (views
+    dashed), log scale, the floor drawn; a stale one is removed without ``--layers``."""
+    path = plots_dir / PLOT_FILE
+    if not data.get("settings"):
+        path.unlink(missing_ok=True)
+        return None
+    from matplotlib.figure import Figure
+
+    from mismatch_probe.report.plots import DPI, FIGSIZE, save
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    views = set(data.get("views", {}))
+    for name, entry in _curves(data).items():
+        layers = [row["layer"] for row in entry["layers"]]
+        means = [max(row["mean_rel"], 1e-12) for row in entry["layers"]]
+        style = "--" if name.removesuffix(" (no engine)") in views else "-"
+        ax.plot(layers, means, style, marker="o", label=name)
+    first = next(iter(data["settings"].values()))
+    layers = [row["layer"] for row in first["layers"]]
+    ax.plot(layers, first["floor"], ":", color="grey", label="floor")
+    ax.plot(layers, [10 * f for f in first["floor"]], ":", color="black", label="10x floor")
+    ax.set_yscale("log")
+    ax.set_xlabel("decoder layer (the last after the final norm)")
+    ax.set_ylabel("mean RMS-relative difference")
+    ax.set_xticks(layers)
+    ax.legend(fontsize=7)
+    source = str(data.get("floor_source", "?"))
+    return save(fig, path, "Where in the network the sides part", f"floor: {source}")
