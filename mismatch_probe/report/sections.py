@@ -196,9 +196,15 @@ def precisions_text(run: dict[str, Any], label: str) -> str:
     """The setting described, and for a matrix run that it is one of several (all judged in
     the grid of every setting)."""
     settings = run.get("settings")
-    if isinstance(settings, list) and len(settings) > 1:
+    if not isinstance(settings, list) or len(settings) < 2:
+        return label
+    skipped = sum(1 for r in run.get("rollouts") or () if isinstance(r, dict) and r.get("skipped"))
+    if not skipped:
         return f"{label} (one of {len(settings)} settings; every setting is judged in the grid)"
-    return label
+    return (
+        f"{label} (one of {len(settings)} settings asked for; those that did not run are "
+        "listed above, the others judged in the grid)"
+    )
 
 
 def model_text(run: dict[str, Any]) -> str:

@@ -143,6 +143,23 @@ class RunContext:
     steps: Steps | None = None
 
     @property
+    def skipped(self) -> tuple[tuple[str, str], ...]:
+        """The settings the run asked for that did not run, each with why (``run.json``: a
+        rollout setting the backend refused skips every setting it is part of)."""
+        why = {
+            str(r.get("setting")): str(r["skipped"])
+            for r in self.run.get("rollouts") or ()
+            if isinstance(r, dict) and r.get("skipped")
+        }
+        if not why:
+            return ()
+        asked = self.run.get("settings")
+        names = [str(s) for s in asked] if isinstance(asked, list) and asked else list(why)
+        return tuple(
+            (name, why[name.split(" | ")[0]]) for name in names if name.split(" | ")[0] in why
+        )
+
+    @property
     def label(self) -> str:
         """The setting (``rollout=bf16 | train=fp32``), else the directory name."""
         setting = self.setting or self.run.get("setting")
