@@ -57,7 +57,7 @@ def test_settings_are_paired_by_name(
     assert f"Key metrics of setting {FP32} (×:" in out
     assert f"Key metrics of setting {BF16} (×:" in out
     assert f"· {FP8}: only in head" in out
-    assert re.search(r"kl\s+│\s+-0\.01 │\s+-0\.03 │\s+×3 │", out)  # bf16: kl = -r, paired
+    assert re.search(r"kl\s+│\s+-0\.01 │\s+-0\.03 │\s+Δ-0\.02 │", out)  # signed: a difference
     text = (out_dir / "compare.md").read_text()
     heads = [line for line in text.splitlines() if line.startswith("## ")]
     assert heads == [

@@ -35,7 +35,7 @@ from mismatch_probe.report.markdown import (
     verdict_section,
     worst_section,
 )
-from mismatch_probe.report.sections import KEY_METRICS
+from mismatch_probe.report.sections import KEY_METRICS, SIGNED
 from mismatch_probe.report.terminal import HIST_WIDTH, _bar, _hist_rows
 from mismatch_probe.rundir.context import Entry, RunContext, WorstToken
 
@@ -91,11 +91,12 @@ def worse(key: str, base: float, value: float) -> bool | None:
     return abs(value) > abs(base)
 
 
-# Signed metrics whose value sits near 0 (a sign flip is no "-534%"): the change is a difference.
-SIGNED = frozenset(
-    {"kl", "log_ppl_diff", "log_ppl_diff_max", "log_ppl_diff_min", "seq_log_ratio_slope_per_1k"}
-)
 LEVEL = CHANGE_LEVEL  # confidence level of the intervals of a change (gate.compare)
+
+
+def _percent(value: float) -> str:
+    """``+35.2%``, ``+100%``, ``+1234%``: three significant digits, never ``+1e+02%``."""
+    return f"{value:+.3g}%" if abs(value) < 100 else f"{value:+.0f}%"
 
 
 def change_cell(
@@ -112,7 +113,7 @@ def change_cell(
         return "= no change"
     delta = value - base
     relative = bool(base) and key not in SIGNED
-    amount = f"{100 * delta / abs(base):+.3g}%" if relative else f"{delta:+.3g}"
+    amount = _percent(100 * delta / abs(base)) if relative else f"{delta:+.3g}"
     arrow = "↑" if delta > 0 else "↓"
     direction = worse(key, base, value)
     if direction is None:

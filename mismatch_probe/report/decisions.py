@@ -188,7 +188,7 @@ def entropy_md(ctx: RunContext) -> list[str]:
         ]
         for b in curve["bins"]
     ]
-    header = ["quantile", "entropy (nats)", "tokens", "mean entropy", "mean |log ρ|", "mean k3"]
+    header = ["quantile", "entropy (nats)", "tokens", "mean entropy", "mean \\|log ρ\\|", "mean k3"]
     return [*lines, *table(header, rows, "lrrrrr"), ""]
 
 

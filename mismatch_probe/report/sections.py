@@ -92,6 +92,12 @@ DIAGNOSTICS = (
     "entropy_mean",
 )
 
+# Signed metrics whose value sits near 0 (a sign flip is no "-534%", no "x-4.34"): a change of
+# one is a difference, in the PR comment and in the terminal comparison.
+SIGNED = frozenset(
+    {"kl", "log_ppl_diff", "log_ppl_diff_max", "log_ppl_diff_min", "seq_log_ratio_slope_per_1k"}
+)
+
 
 def rejection_keys(metrics: dict[str, float]) -> tuple[str, ...]:
     """The masked fractions of the configured rejection options (none when RS is off)."""
