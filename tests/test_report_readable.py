@@ -55,3 +55,63 @@ def test_terminal_compare_shows_a_signed_metric_change_as_a_difference() -> None
     rows = {row.key: row_cells(row) for row in compare_rows([base, head])}
     assert rows["kl"][-1] == "Δ+0.0534"
     assert rows["k3_kl"][-1] == "×2"
+
+
+def test_setting_is_named_by_its_parts() -> None:
+    import pytest
+
+    from mismatch_probe.errors import ProbeError
+    from mismatch_probe.rundir.context import match_settings
+
+    names = [
+        "rollout=fp32 | train=fp32",
+        "rollout=bf16 | train=fp32",
+        "rollout=bf16,kv=fp8 | train=fp32",
+    ]
+    assert match_settings(["kv=fp8"], names) == (names[2],)
+    assert match_settings(["rollout=fp32"], names) == (names[0],)
+    assert match_settings(["kv=fp8,rollout=bf16"], names) == (names[2],)
+    assert match_settings([names[1]], names) == (names[1],)  # a whole name: itself
+    assert match_settings(["kv=fp16"], names) == ("kv=fp16",)  # none: said by the caller
+    with pytest.raises(ProbeError, match="names 2 settings"):
+        match_settings(["rollout=bf16"], names)
+
+
+def test_report_setting_accepts_parts(tmp_path: Path) -> None:
+    from mismatch_probe.rundir.loader import select_settings
+    from tests.test_report_fixtures import matrix_run, uniform_seqs
+
+    fp32, fp8 = "rollout=fp32 | train=fp32", "rollout=bf16,kv=fp8 | train=fp32"
+    run = matrix_run(tmp_path / "m", {fp32: uniform_seqs(0.0, [4]), fp8: uniform_seqs(0.1, [4])})
+    assert select_settings(run, ("kv=fp8",)) == [fp8]
+
+
+def test_threshold_sweep_says_it_shows_truncation() -> None:
+    from mismatch_probe.report.decisions import sweep_rich
+    from mismatch_probe.report.plots import PLOTS
+
+    rows = [
+        {"family": "token_tis", "threshold": t, "token_fraction": 0.1, "seq_fraction": 0.2}
+        for t in (2.0, 5.0)
+    ]
+    (table,) = sweep_rich({"threshold_sweep": rows})
+    assert "truncated" in str(table.title)
+    assert "truncates" in PLOTS["threshold_sweep"][0]
+
+
+def test_run_json_that_is_no_run_is_refused(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from mismatch_probe.errors import ProbeError
+    from mismatch_probe.rundir.data import read_run
+
+    (tmp_path / "run.json").write_text("[]")
+    with pytest.raises(ProbeError, match="not an object"):
+        read_run(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"schema_version": "7", "setting": "x"}))
+    with pytest.raises(ProbeError, match="schema_version '7'"):
+        read_run(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"schema_version": "1", "setting": "x"}))
+    assert read_run(tmp_path)["setting"] == "x"

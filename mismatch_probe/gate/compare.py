@@ -182,9 +182,11 @@ def _load_pairs(
     run_dirs: list[Path], names: list[list[str]], wanted: tuple[str, ...]
 ) -> Comparison:
     """Settings paired by name (see ``load_comparison``); runs labelled by directory."""
+    from mismatch_probe.rundir.context import match_settings
     from mismatch_probe.rundir.data import read_run
 
     order = list(dict.fromkeys(s for n in names for s in n))
+    wanted = match_settings(wanted, order)  # kv=fp8: the one setting with that part
     missing = [w for w in wanted if w not in order]
     if missing:
         raise ProbeError(f"--setting {missing[0]!r}: none of the runs holds it")

@@ -436,7 +436,7 @@ PLOTS: dict[str, tuple[str, PlotFn]] = {
     "f_tau": ("F(τ): share of tokens whose ratio exceeds τ either way", plot_f_tau),
     "prob_bins": ("Mismatch by rollout-probability bin", plot_prob_bins),
     "threshold_sweep": (
-        "How much each correction masks as its threshold moves",
+        "How much each correction masks (TIS: truncates) as its threshold moves",
         plot_threshold_sweep,
     ),
     "seq_weights": ("Sequence IS weights with the sequence-level bounds", plot_seq_weights),

@@ -427,6 +427,32 @@ def read_token_probs(path: Path, setting: str | None = None) -> TokenProbs:
     return TokenProbs(rollout, train, flip)
 
 
+def _parts(text: str) -> set[str]:
+    """``rollout=bf16,kv=fp8 | train=fp32`` -> ``{"rollout=bf16", "kv=fp8", "train=fp32"}``."""
+    return {p.strip() for half in text.split("|") for p in half.split(",") if p.strip()}
+
+
+def match_settings(wanted: Sequence[str], names: Sequence[str]) -> tuple[str, ...]:
+    """Each ``--setting`` value as the setting it names: a setting's name, or some of its parts
+    (``kv=fp8``, ``rollout=bf16``) that only one setting of ``names`` has; a value that names
+    none is returned as given (the caller says what the run holds).
+
+    Raises:
+        ProbeError: parts that several settings have (they are named).
+    """
+    out = []
+    for value in wanted:
+        parts = _parts(value)
+        found = [n for n in names if parts <= _parts(n)] if value not in names and parts else []
+        if len(found) > 1:
+            raise ProbeError(
+                f"--setting {value!r} names {len(found)} settings ({'; '.join(found)}): "
+                "give more of its parts or the whole name"
+            )
+        out.append(found[0] if found else value)
+    return tuple(out)
+
+
 def setting_names(run_dir: Path, order: list[str] | None = None) -> list[str]:
     """The settings in the token store, in the scan's order (first = the reference): ``order``
     when the caller knows it (a scan finishing), else ``run.json``'s, else sorted."""
