@@ -294,8 +294,13 @@ def report(
         render_trend_run(view, _stdout_console())
         _print_paths(_stdout_console(), {"report": written})
         return
-    ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
-    paths = publish(ctx, entries)
+    import time
+
+    with interrupt.stage("loading"):
+        ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
+    interrupt.writing_to(run_dir, time.time())  # an interrupt names what was already written
+    with interrupt.stage("reports"):
+        paths = publish(ctx, entries)
     if fmt == "pr-comment":
         print(run_comment(ctx, entries), end="")
         return

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from mismatch_probe.metrics.recommend import pct
 from mismatch_probe.report.comment import change_cell
 from mismatch_probe.report.compare import compare_rows, row_cells
@@ -58,8 +60,6 @@ def test_terminal_compare_shows_a_signed_metric_change_as_a_difference() -> None
 
 
 def test_setting_is_named_by_its_parts() -> None:
-    import pytest
-
     from mismatch_probe.errors import ProbeError
     from mismatch_probe.rundir.context import match_settings
 
@@ -102,8 +102,6 @@ def test_threshold_sweep_says_it_shows_truncation() -> None:
 def test_run_json_that_is_no_run_is_refused(tmp_path: Path) -> None:
     import json
 
-    import pytest
-
     from mismatch_probe.errors import ProbeError
     from mismatch_probe.rundir.data import read_run
 
@@ -115,3 +113,28 @@ def test_run_json_that_is_no_run_is_refused(tmp_path: Path) -> None:
         read_run(tmp_path)
     (tmp_path / "run.json").write_text(json.dumps({"schema_version": "1", "setting": "x"}))
     assert read_run(tmp_path)["setting"] == "x"
+
+
+def test_interrupted_report_names_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A signal after the plots are written: the message names them, never "nothing written"."""
+    import signal
+
+    from mismatch_probe import interrupt
+    from mismatch_probe.pipeline import publish
+    from tests.cli_runner import run_probe
+    from tests.test_report_fixtures import matrix_run, uniform_seqs
+
+    run = matrix_run(tmp_path / "r", {"rollout=fp32 | train=fp32": uniform_seqs(0.01, [4, 6])})
+    real = publish.write_outputs
+
+    def then_interrupted(*args: object, **kwargs: object) -> object:
+        real(*args, **kwargs)  # type: ignore[arg-type]
+        raise interrupt.Interrupted(signal.SIGINT, "reports")
+
+    monkeypatch.setattr(publish, "write_outputs", then_interrupted)
+    code, _, err = run_probe(["report", str(run)], monkeypatch, capsys)
+    assert code == 130
+    assert "nothing written" not in err
+    assert "complete files kept:" in err and "report.md" in err
