@@ -539,9 +539,15 @@ def models_prepare(
     force: ConvertAgainOpt = False,
 ) -> None:
     """Convert the embedded SmolLM2-135M-Instruct GGUF into an fp32 checkpoint in the cache."""
-    from mismatch_probe.models import prepare_default_model
+    from mismatch_probe.models import (
+        default_model_dir,
+        is_converted,
+        prepare_default_model,
+        prepared_message,
+    )
 
-    print(prepare_default_model(force=force))
+    reused = not force and is_converted(default_model_dir())
+    print(printable(prepared_message(prepare_default_model(force=force), reused)))
 
 
 @models_app.command("tiny", cls=ProbeCommand, epilog=epilog("models tiny"))

@@ -138,3 +138,12 @@ def test_interrupted_report_names_what_it_wrote(
     assert code == 130
     assert "nothing written" not in err
     assert "complete files kept:" in err and "report.md" in err
+
+
+def test_models_prepare_says_what_it_prepared() -> None:
+    from mismatch_probe.models import default_model_dir, prepared_message
+
+    path = default_model_dir()
+    assert prepared_message(path, False).startswith("SmolLM2-135M-Instruct prepared: ")
+    reused = prepared_message(path, True)
+    assert "already prepared" in reused and str(path) in reused and "probe scan" in reused
