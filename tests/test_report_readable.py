@@ -147,3 +147,25 @@ def test_models_prepare_says_what_it_prepared() -> None:
     assert prepared_message(path, False).startswith("SmolLM2-135M-Instruct prepared: ")
     reused = prepared_message(path, True)
     assert "already prepared" in reused and str(path) in reused and "probe scan" in reused
+
+
+def test_rerender_drift_keeps_the_two_space_token_visible() -> None:
+    from mismatch_probe.report.turns import drift_lines
+
+    metrics = {**METRICS, "rerender_trajectory_fraction": 0.5, "rerender_token_fraction": 0.1}
+    ctx = run_view(metrics=metrics, drift_example="def f():»  «return 1")
+    text = "\n".join(drift_lines(ctx))
+    assert "»␣␣«" in text
+    html = render_html(text, Path("."), "t")
+    assert "»␣␣«" in html
+
+
+def test_html_tables_never_split_a_number() -> None:
+    """``overflow-wrap: anywhere`` let the grid's columns shrink below a number's width (6
+    significant digits split mid-digit at 1280 px): numbers (right-aligned cells) stay whole."""
+    html = render_html(
+        "| a | b |\n|:--|--:|\n| rollout=bf16 \\| train=fp32 | 0.0123456 |", Path("."), "t"
+    )
+    assert "overflow-wrap: anywhere" not in html
+    assert 'td[style*="right"] { white-space: nowrap; }' in html
+    assert 'style="text-align:right"' in html  # the cells the rule above applies to
