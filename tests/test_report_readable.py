@@ -169,3 +169,15 @@ def test_html_tables_never_split_a_number() -> None:
     assert "overflow-wrap: anywhere" not in html
     assert 'td[style*="right"] { white-space: nowrap; }' in html
     assert 'style="text-align:right"' in html  # the cells the rule above applies to
+
+
+def test_k3_by_setting_is_titled_for_what_it_draws(tmp_path: Path) -> None:
+    from mismatch_probe.metrics.verdicts import HEALTH_CHECKS
+    from mismatch_probe.report.plots import write_k3_by_setting
+
+    entries = [Entry("a", dict(METRICS), {}), Entry("b", {**METRICS, "k3_kl": 0.5}, {})]
+    path, title = write_k3_by_setting(entries, tmp_path / "k3.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    has_bound = any(c.metric == "k3_kl" and c.bounds for c in HEALTH_CHECKS)
+    assert ("verdict bounds" in title) == has_bound
+    assert "none-needed bound" in title
