@@ -157,6 +157,8 @@ PRESENT_IN = {
     "rerender_differs": "multi-turn trajectories",
     "rerender_mismatched_tokens": "multi-turn trajectories",
     "rerender_context": "multi-turn trajectories",
+    "seq_k3_sum": "scans",
+    "seq_log_ratio_sum": "scans",
 }
 TYPES = {"float": "float32", "double": "float64"}  # pyarrow's names -> numpy's
 
@@ -168,7 +170,8 @@ def _fields(kind: str) -> list[Any]:
     if kind == "tokens":
         extra = [store.ENTROPY_FIELD, *store.RUNG_FIELDS, store.TURN_FIELD]
         return [*store.TOKEN_SCHEMA, *extra, *store.SETTING_FIELDS]
-    return [*store.SEQUENCE_SCHEMA, *store.SEQUENCE_TURN_FIELDS, *store.SETTING_FIELDS]
+    extra = [*store.SEQUENCE_MISMATCH_FIELDS, *store.SEQUENCE_TURN_FIELDS]
+    return [*store.SEQUENCE_SCHEMA, *extra, *store.SETTING_FIELDS]
 
 
 def store_schema(kind: str) -> None:

@@ -314,8 +314,13 @@ def report(
         render_trend_run(view, _stdout_console())
         _print_paths(_stdout_console(), {"report": written})
         return
-    ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
-    paths = publish(ctx, entries)
+    import time
+
+    with interrupt.stage("loading"):
+        ctx, entries = load_report(run_dir, metrics_config, settings=tuple(setting or ()))
+    interrupt.writing_to(run_dir, time.time())  # an interrupt names what was already written
+    with interrupt.stage("reports"):
+        paths = publish(ctx, entries)
     if fmt == "pr-comment":
         print(run_comment(ctx, entries), end="")
         return
@@ -644,9 +649,15 @@ def models_prepare(
     force: ConvertAgainOpt = False,
 ) -> None:
     """Convert the embedded SmolLM2-135M-Instruct GGUF into an fp32 checkpoint in the cache."""
-    from mismatch_probe.models import prepare_default_model
+    from mismatch_probe.models import (
+        default_model_dir,
+        is_converted,
+        prepare_default_model,
+        prepared_message,
+    )
 
-    print(prepare_default_model(force=force))
+    reused = not force and is_converted(default_model_dir())
+    print(printable(prepared_message(prepare_default_model(force=force), reused)))
 
 
 @models_app.command("tiny", cls=ProbeCommand, epilog=epilog("models tiny"))

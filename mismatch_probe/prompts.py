@@ -130,6 +130,21 @@ def select_prompts(prompts: list[Prompt], ids: tuple[int, ...], path: Path) -> l
     return [p for p in prompts if p.prompt_id in wanted]
 
 
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether a string anywhere in ``obj`` holds a lone surrogate (``"\\ud800"`` in JSON)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False
+
+
 def _parse_line(line: str, lineno: int, prompt_id: int, path: Path) -> Prompt:
     where = f"{path}:{lineno}"
     try:
@@ -138,6 +153,11 @@ def _parse_line(line: str, lineno: int, prompt_id: int, path: Path) -> Prompt:
         raise ProbeError(f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
         raise ProbeError(f"{where}: expected a JSON object with 'prompt' or 'messages'")
+    if _has_lone_surrogate(obj):
+        raise ProbeError(
+            f"{where}: a lone UTF-16 surrogate (such as \\ud800) in the text is not valid "
+            "Unicode; no tokenizer can encode it"
+        )
     if isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
         return Prompt(prompt_id, text=obj["prompt"])
     messages = obj.get("messages")
@@ -183,14 +203,27 @@ def encode_prompts(
         if not e.token_ids:
             raise ProbeError(f"prompt {p.prompt_id} encodes to no tokens")
         if e.longest_trajectory(max_tokens) > max_context:
-            n = e.turns.turns if e.turns else 1
-            turns = f" per turn over {n} turns it can exceed" if n > 1 else " it exceeds"
-            raise ProbeError(
-                f"prompt {p.prompt_id} has {len(e.token_ids)} tokens; with --max-tokens "
-                f"{max_tokens}{turns} the model's context of {max_context} tokens"
-            )
+            raise ProbeError(_overflow(e, max_tokens, max_context))
         encoded.append(e)
     return encoded
+
+
+def _overflow(e: EncodedPrompt, max_tokens: int, max_context: int) -> str:
+    """What does not fit: the prompt and its responses, or for a multi-turn prompt its whole
+    trajectory (the prompt, the given messages of later turns, every turn's response)."""
+    if e.turns is None or e.turns.turns < 2:
+        return (
+            f"prompt {e.prompt_id} has {len(e.token_ids)} tokens; with --max-tokens {max_tokens} "
+            f"it exceeds the model's context of {max_context} tokens"
+        )
+    given, n = e.turns.longest_context(), e.turns.turns
+    return (
+        f"prompt {e.prompt_id}: its {n}-turn trajectory can reach "
+        f"{e.longest_trajectory(max_tokens)} tokens ({len(e.token_ids)} of the first prompt, "
+        f"{given} of the messages given between turns, {n} x --max-tokens {max_tokens}), over "
+        f"the model's context of {max_context} tokens; shorten the given messages or lower "
+        "--max-tokens"
+    )
 
 
 def _render(p: Prompt, tokenizer: Any, chat: bool) -> str:
@@ -224,7 +257,12 @@ def _encode_turns(p: Prompt, tokenizer: Any, chat: bool) -> EncodedPrompt:
     """
     pid, messages = p.prompt_id, list(p.messages or ())
     if not chat:
-        raise ProbeError(f"prompt {pid}: multi-turn prompts need the chat template (no --no-chat)")
+        why = (
+            "--no-chat turns it off"
+            if getattr(tokenizer, "chat_template", None)
+            else "the model's tokenizer has none"
+        )
+        raise ProbeError(f"prompt {pid}: multi-turn prompts need a chat template; {why}")
     opens = [i for i, m in enumerate(messages) if _is_open(m)]
     filled = [{**m, "content": PLACEHOLDER} if _is_open(m) else m for m in messages]
     text = render_chat(tokenizer, filled[: opens[0]], True, pid)

@@ -57,7 +57,7 @@ def test_settings_are_paired_by_name(
     assert f"Key metrics of setting {FP32} (×:" in out
     assert f"Key metrics of setting {BF16} (×:" in out
     assert f"· {FP8}: only in head" in out
-    assert re.search(r"kl\s+│\s+-0\.01 │\s+-0\.03 │\s+×3 │", out)  # bf16: kl = -r, paired
+    assert re.search(r"kl\s+│\s+-0\.01 │\s+-0\.03 │\s+Δ-0\.02 │", out)  # signed: a difference
     text = (out_dir / "compare.md").read_text()
     heads = [line for line in text.splitlines() if line.startswith("## ")]
     assert heads == [
@@ -143,3 +143,23 @@ def test_a_change_within_noise_gets_no_colour(
     )
     assert re.match(r"[↑↓] [+-][0-9.]+ ", rows["kl"][2])  # kl: a difference, not a percentage
     assert "%" not in rows["kl"][2].split(" within")[0].split(" 🔴")[0]
+
+
+def test_pr_comment_judges_every_setting_of_head(
+    matrices: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A baseline of one setting against a HEAD of three: the two HEAD settings without a
+    baseline are judged in the comment (the failing fp8 one named in its opening), not hidden."""
+    from mismatch_probe.gate.compare import load_comparison
+    from mismatch_probe.report.comment import comparison_comment
+
+    _, head = matrices
+    one = matrix_run(tmp_path / "one", {BF16: uniform_seqs(0.01, [4, 6])})
+    comparison = load_comparison([one, head])
+    assert [s for s, _ in comparison.head_only] == [FP32, FP8]
+    text = comparison_comment(comparison).replace("\\|", "|")
+    opening = next(line for line in text.splitlines() if line.startswith("**Every setting of"))
+    assert "of 3 settings fail a check" in opening and FP8 in opening
+    assert opening.index("**Every setting of") < text.index("**Verdicts")
+    only = text[text.index("#### Settings only head holds") :]
+    assert FP32 in only and FP8 in only and "❌" in only

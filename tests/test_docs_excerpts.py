@@ -89,7 +89,11 @@ VERDICT = re.compile(r"[✔✘·] (?:PASS|FAIL(?: #/#)?|n/a)")
 SENTENCES = (
     (re.compile(r"^Recommendation(?: for <setting>)?: .*"), "<recommendation>"),
     (
-        re.compile(r"^(?:All # settings pass every check\.|# of # settings fail a check: .*)$"),
+        re.compile(
+            r"^(?:All # settings(?: that ran)? pass every check\."
+            r"|# of # settings(?: that ran)? fail a check: .*?)"
+            r"(?: # of # settings did not run: .*)?$"  # skipped settings counted and named
+        ),
         "<h>",
     ),
 )

@@ -141,3 +141,11 @@ def test_a_local_directory_of_that_shape_wins(
         models.resolve_model(Path("./nope/x"))  # (the shell's ./ is gone in a Path)
     with pytest.raises(ProbeError, match=r"model path does not exist: /nope/x \(--model takes"):
         models.resolve_model(Path("/nope/x"))
+
+
+def test_a_revision_never_leaves_the_cache() -> None:
+    """``org/tiny@../../../x`` is no revision: refused before any path is built from it."""
+    for revision in ("../../../x", "a/../../b", "/etc", "x/", "a\\b", "."):
+        with pytest.raises(ProbeError, match="is not a branch, tag or commit name"):
+            hub.parse_hub_id(f"org/tiny@{revision}")
+    assert hub.parse_hub_id("org/tiny@refs/pr/1") == ("org/tiny", "refs/pr/1")

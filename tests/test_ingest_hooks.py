@@ -505,6 +505,7 @@ def test_verl_v1_without_rollout_log_probs_names_the_config_key(tmp_path: Path) 
     [
         (LEGACY, {"trainer.use_v1": False}, 0, False),
         (V1_SYNC, {}, 0, False),
+        (V1_SYNC, {"trainer.v1.sync": {"parameter_sync_step": 3}}, 2, True),  # what ran
         (V1_SYNC, {"trainer.v1.trainer_mode": "colocate_async"}, None, True),
         (V1_SYNC, {"trainer.v1.trainer_mode": "separate_async"}, None, True),
         (FULLY_ASYNC, {"async_training": {"staleness_threshold": 0.1}}, None, True),
@@ -522,6 +523,8 @@ def test_verl_off_policy_bound_follows_the_trainer(
     writer.write_step(1, [[1, 2]], [[1, 1]], [[-1.0, -2.0]], [[-1.0, -2.1]])
     info = probe_format.off_policy(tmp_path / "logs")  # what the ingest records in run.json
     assert (info["max_off_policy_steps"], info["staleness"]) == (bound, stale)
+    if bound == 2:
+        assert "parameter_sync_step=3" in info["source"]
     if trainer == FULLY_ASYNC:
         assert "staleness_threshold=0.1" in info["source"]
         _ingest(tmp_path / "logs", tmp_path / "run")

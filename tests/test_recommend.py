@@ -15,7 +15,7 @@ import pytest
 from mismatch_probe import store
 from mismatch_probe.cli import main
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
-from mismatch_probe.metrics.recommend import CONCENTRATED, Recommendation, recommend
+from mismatch_probe.metrics.recommend import CONCENTRATED, Recommendation, pct, recommend
 from mismatch_probe.pipeline.publish import publish
 from mismatch_probe.report.comment import run_comment
 from mismatch_probe.report.markdown import escape
@@ -153,8 +153,7 @@ def test_investigate_first_when_concentrated(runs: dict[str, Path]) -> None:
     rec = decide(runs["concentrated"])
     assert rec.outcome == "investigate_first"
     assert rec.reason == (
-        f"Investigate first: {100 * share:.2g}% of the mismatch sits in 1% of sequences, "
-        "see Outliers."
+        f"Investigate first: {pct(share)} of the mismatch sits in 1% of sequences, see Outliers."
     )
 
 

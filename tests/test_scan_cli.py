@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -319,8 +320,29 @@ def test_scan_end_to_end_subprocess(tiny_model: Path, prompts_file: Path, tmp_pa
         [*store.TOKEN_SCHEMA, store.ENTROPY_FIELD, store.TURN_FIELD, *store.SETTING_FIELDS]
     )  # the rescorer's entropy and the turn too
     assert sequences.schema.remove_metadata() == pa.schema(
-        [*store.SEQUENCE_SCHEMA, *store.SEQUENCE_TURN_FIELDS, *store.SETTING_FIELDS]
+        [
+            *store.SEQUENCE_SCHEMA,
+            *store.SEQUENCE_MISMATCH_FIELDS,
+            *store.SEQUENCE_TURN_FIELDS,
+            *store.SETTING_FIELDS,
+        ]
     )
+    # each sequence's own mismatch: the sum of its tokens' r = train - rollout, no join needed
+    r = np.asarray(tokens.column("train_logprob"), np.float64) - np.asarray(
+        tokens.column("rollout_logprob"), np.float64
+    )
+    seq_of = np.asarray(tokens.column("seq_id"))
+    by_seq = {int(s): float(r[seq_of == s].sum()) for s in np.unique(seq_of)}
+    stored = dict(
+        zip(
+            sequences.column("seq_id").to_pylist(),
+            sequences.column("seq_log_ratio_sum").to_pylist(),
+            strict=True,
+        )
+    )
+    assert stored.keys() == by_seq.keys()
+    assert stored == by_seq  # the same float64 sum of the same float32 log-probs
+    assert all(v >= 0.0 for v in sequences.column("seq_k3_sum").to_pylist())
     assert tokens.select(typed).slice(0, 1).to_pylist() == [
         {"rollout_dtype": "float32", "kv_cache_dtype": "auto", "quantization": "none",
          "lm_head_fp32": False, "train_dtype": "float32", "routing_replay": "none"}

@@ -293,6 +293,7 @@ _WRAPPERS = (
     "See root cause above",
     "Engine core initialization failed",
     "See stack trace for root cause",
+    "See stack trace (above) for the root cause",
 )
 
 

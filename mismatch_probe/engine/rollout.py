@@ -108,6 +108,27 @@ class EngineStartError(ProbeError):
     """The engine cannot start with this setting (e.g. fp8 weights on a CPU backend)."""
 
 
+class EngineError(ProbeError):
+    """The engine failed after it started (while it generated or scored)."""
+
+
+@contextmanager
+def running(what: str) -> Iterator[None]:
+    """Calls into a started engine: a failure of the engine (vLLM raises many types, and an
+    engine process only says "see root cause above") becomes one line naming its cause and
+    ``what`` the engine was doing; the whole traceback goes to the engine log."""
+    log = process.current_log()
+    offset = log.stat().st_size if log is not None and log.is_file() else 0
+    try:
+        yield
+    except ProbeError:
+        raise
+    except Exception as exc:
+        interrupt.reraise_swallowed()
+        reason = _start_failure(exc, log, offset)
+        raise EngineError(f"vLLM failed during {what}: {reason}") from None
+
+
 def engine_kwargs(
     model: Path,
     setting: RolloutSetting,
@@ -223,11 +244,13 @@ def engine(kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Iterato
         with process.importing():
             from vllm import LLM  # its modules frozen with the heap (below, or by the scan's)
 
+            from mismatch_probe.engine import seeded  # seeded requests through partial prefills
+
         log = process.current_log()
         offset = log.stat().st_size if log is not None and log.is_file() else 0
         with process.frozen_heap():
             try:
-                llm = LLM(**kwargs)
+                llm = LLM(**{"worker_extension_cls": seeded.EXTENSION, **kwargs})
             except Exception as exc:  # vLLM raises many types for an engine that cannot start
                 interrupt.reraise_swallowed()
                 reason = _start_failure(exc, log, offset)
@@ -287,7 +310,8 @@ def generate(
     jobs = [(p, s) for p in prompts for s in range(samples_per_prompt)]
     params = [_sampling_params(SamplingParams, spec, p.prompt_id, s) for p, s in jobs]
     inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in jobs]
-    outputs = llm.generate(inputs, params, use_tqdm=progress)
+    with running("generation"):
+        outputs = llm.generate(inputs, params, use_tqdm=progress)
     return [
         _to_rollout(seq_id, p, s, out.outputs[0])
         for seq_id, ((p, s), out) in enumerate(zip(jobs, outputs, strict=True))
@@ -341,7 +365,8 @@ def score_forced(llm: Any, rollouts: Sequence[Rollout]) -> list[list[float]]:
 
     inputs = [TokensPrompt(prompt_token_ids=[*r.prompt_ids, *r.continuation()]) for r in rollouts]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    with running("forced scoring"):
+        outputs = llm.generate(inputs, params, use_tqdm=False)
     scores = []
     for r, out in zip(rollouts, outputs, strict=True):
         steps = out.prompt_logprobs[len(r.prompt_ids) :]

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mismatch_probe.engine import rollout
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.routing.shape import RoutingShape, TokenSequence, route_columns
 
@@ -168,7 +169,7 @@ def replay_prefill(
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     runner = _in_process_runner(llm)
     recorder = StepRecorder(runner, shape)
-    with _bound(runner.get_model(), recorder):
+    with _bound(runner.get_model(), recorder), rollout.running("route capture"):
         outputs = llm.generate(inputs, params, use_tqdm=progress)
     slots = {out.request_id: columns[i] for i, out in zip(todo, outputs, strict=True)}
     routes = recorder.assemble(slots)

@@ -136,7 +136,8 @@ def generate(
     loop = _RequestLoop(llm, spec, trajectories)
     bar = progress(total=sum(t.num_turns for t in trajectories)) if callable(progress) else None
     try:
-        loop.run(bar)
+        with rollout.running("multi-turn generation"):
+            loop.run(bar)
     finally:
         loop.abort()  # nothing of an interrupted scan keeps running in the engine
         if bar is not None:

@@ -98,13 +98,15 @@ class Comparison:
 
     ``runs`` / ``entries``: the first pair's (the only pair when no run holds several settings);
     ``pairs``: every setting the runs share, in the first run's order; ``unpaired``: each
-    setting only some runs hold, with the labels of those runs."""
+    setting only some runs hold, with the labels of those runs; ``head_only``: those of them
+    the last run (HEAD) holds, with its metrics, so that every setting of HEAD is judged."""
 
     runs: tuple[RunContext, ...]
     entries: tuple[Entry, ...]
     warnings: tuple[str, ...]
     pairs: tuple[SettingPair, ...] = ()
     unpaired: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    head_only: tuple[tuple[str, dict[str, float]], ...] = ()  # HEAD's unpaired: (setting, metrics)
     intervals: Intervals = field(default_factory=dict)  # of ``runs`` (no pair), with_intervals
 
     @property
@@ -180,9 +182,11 @@ def _load_pairs(
     run_dirs: list[Path], names: list[list[str]], wanted: tuple[str, ...]
 ) -> Comparison:
     """Settings paired by name (see ``load_comparison``); runs labelled by directory."""
+    from mismatch_probe.rundir.context import match_settings
     from mismatch_probe.rundir.data import read_run
 
     order = list(dict.fromkeys(s for n in names for s in n))
+    wanted = match_settings(wanted, order)  # kv=fp8: the one setting with that part
     missing = [w for w in wanted if w not in order]
     if missing:
         raise ProbeError(f"--setting {missing[0]!r}: none of the runs holds it")
@@ -207,7 +211,13 @@ def _load_pairs(
         raise ProbeError(f"the runs share no setting ({held})")
     warnings = tuple(run_differences(labels, metas))
     first = tuple(_with_integrity(r) for r in pairs[0].runs)  # whole runs: one pass each
-    return Comparison(first, pairs[0].entries, warnings, tuple(pairs), tuple(unpaired))
+    head = len(run_dirs) - 1
+    head_only = tuple(
+        (setting, load_run(run_dirs[head], setting=setting).metrics)
+        for setting, holders in unpaired
+        if labels[head] in holders
+    )
+    return Comparison(first, pairs[0].entries, warnings, tuple(pairs), tuple(unpaired), head_only)
 
 
 def _with_integrity(run: RunContext) -> RunContext:

@@ -80,6 +80,17 @@ def _fully_async(config: Any) -> dict[str, Any]:
 
 def _v1(config: Any) -> dict[str, Any]:
     mode = setting(config, "trainer.v1.trainer_mode", "sync")
+    sync = setting(config, f"trainer.v1.{mode}.parameter_sync_step", 1)
+    if mode == "sync" and isinstance(sync, int) and sync > 1:
+        # one weight sync per ``sync`` local updates: mini-batch i of a step ran on weights i
+        # updates behind the trainer (verl's PPOTrainer.step)
+        return {
+            "max_off_policy_steps": sync - 1,
+            "staleness": True,
+            "off_policy_source": f"verl V1 trainer, trainer_mode=sync, parameter_sync_step={sync}: "
+            f"rollout weights synced every {sync} local updates, so a step's later mini-batches "
+            f"lag by up to {sync - 1}",
+        }
     if mode == "sync":
         return {
             "max_off_policy_steps": 0,

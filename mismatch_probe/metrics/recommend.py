@@ -71,8 +71,12 @@ class Recommendation:
 
 
 def pct(x: float) -> str:
-    """A share as a percentage to two significant digits: 0.003 -> ``0.3%``."""
-    return f"{100 * x:.2g}%"
+    """A share as a percentage to two significant digits, never in exponent form: 0.003 ->
+    ``0.3%``, 1 -> ``100%``, below 0.01% -> ``<0.01%``."""
+    value = 100 * x
+    if value == 0 or value >= 10:
+        return f"{value:.0f}%"
+    return f"{value:.2g}%" if value >= 0.01 else "<0.01%"
 
 
 def label(spec: PresetSpec) -> str:

@@ -51,6 +51,12 @@ def default_gguf_path() -> Path:
     return path
 
 
+def prepared_message(path: Path, reused: bool) -> str:
+    """What ``probe models prepare`` did, in one line: which model, from what, where."""
+    what = "already prepared (kept; --force converts again)" if reused else "prepared"
+    return f"SmolLM2-135M-Instruct {what}: {model_source(path)}, in {path}; probe scan uses it"
+
+
 def prepare_default_model(force: bool = False) -> Path:
     """Convert the embedded SmolLM2 GGUF once into an fp32 safetensors checkpoint in the cache."""
     out = default_model_dir()

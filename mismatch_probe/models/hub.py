@@ -33,7 +33,19 @@ def parse_hub_id(text: str) -> tuple[str, str] | None:
     match = HUB_ID.fullmatch(text)
     if match is None or text.endswith(".gguf"):
         return None
-    return match["repo"], match["revision"] or "main"
+    revision = match["revision"] or "main"
+    if not _safe_revision(revision):
+        raise ProbeError(
+            f"{text}: revision {revision!r} is not a branch, tag or commit name (no '..', "
+            "no leading or trailing '/', no '\\')"
+        )
+    return match["repo"], revision
+
+
+def _safe_revision(revision: str) -> bool:
+    """A git ref name or a commit: never a path out of the cache (``../../x``, ``/etc``)."""
+    parts = revision.split("/")
+    return "\\" not in revision and all(p and p not in (".", "..") for p in parts)
 
 
 def hub_cache_dir() -> Path:
@@ -91,8 +103,9 @@ def _commit(folder: Path, revision: str) -> str | None:
         return revision
     ref = folder / "refs" / revision
     if ref.is_file():
-        commit = ref.read_text().strip()
-        return commit if (folder / "snapshots" / commit).is_dir() else None
+        commit = ref.read_text().strip()  # a hash, never a path (a crafted ref file)
+        ok = COMMIT.fullmatch(commit) and (folder / "snapshots" / commit).is_dir()
+        return commit if ok else None
     return None
 
 

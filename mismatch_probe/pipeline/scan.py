@@ -38,7 +38,12 @@ from mismatch_probe.pipeline import attribution, engines, layers, rescoring, rou
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.records import Prepared, Rescored, RolloutRun, ScanResult
 from mismatch_probe.pipeline.runinfo import run_metadata, run_record
-from mismatch_probe.pipeline.tables import sequence_table, token_table, with_setting_columns
+from mismatch_probe.pipeline.tables import (
+    mismatch_columns,
+    sequence_table,
+    token_table,
+    with_setting_columns,
+)
 from mismatch_probe.pipeline.timing import Timer
 from mismatch_probe.progress import make_progress, phase_lines
 from mismatch_probe.prompts import (
@@ -434,6 +439,8 @@ def store_tables(scored: dict[Setting, Rescored], tokenizer: Any) -> tuple[pa.Ta
         table = attribution.with_rungs(table, r.rungs) if r.rungs else table
         tokens.append(with_setting_columns(table, setting))
         seqs = sequence_table(setting.name, r.rollouts, tokenizer, r.seq_offset)
+        for name, column in mismatch_columns(r.scored, r.rollouts).items():
+            seqs = seqs.append_column(name, column)
         sequences.append(with_setting_columns(seqs, setting))
     return pa.concat_tables(tokens, promote_options="default"), pa.concat_tables(sequences)
 

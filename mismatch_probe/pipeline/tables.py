@@ -88,6 +88,28 @@ def _concat(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
 
 
+def mismatch_columns(scored: list[Scored], rollouts: list[Rollout]) -> dict[str, pa.Array]:
+    """``store.SEQUENCE_MISMATCH_FIELDS`` of each sequence (float64 sums; null where a token's
+    log-probability is not finite)."""
+    from mismatch_probe.metrics.batch import clamp_b
+
+    k3_sums: list[float | None] = []
+    r_sums: list[float | None] = []
+    for s, r in zip(scored, rollouts, strict=True):
+        ratio = np.asarray(s.logprobs, np.float64) - np.asarray(r.rollout_logprobs, np.float64)
+        if not np.isfinite(ratio).all():
+            k3_sums.append(None)
+            r_sums.append(None)
+            continue
+        rs = clamp_b(ratio)
+        k3_sums.append(float(np.sum(np.expm1(rs) - rs)))
+        r_sums.append(float(np.sum(ratio)))
+    return {
+        "seq_k3_sum": pa.array(k3_sums, pa.float64()),
+        "seq_log_ratio_sum": pa.array(r_sums, pa.float64()),
+    }
+
+
 def sequence_table(
     setting: str, rollouts: list[Rollout], tokenizer: Any, seq_offset: int = 0
 ) -> pa.Table:

@@ -88,7 +88,11 @@ def write_outputs(
         if trend_plot:
             extra_plots["plot_trend"] = trend_plot
         matrix = entries if entries and len(entries) > 1 else None
-        top = settings_top_markdown(matrix, ctx.label, len(ctx.settings)) if matrix else None
+        top = (
+            settings_top_markdown(matrix, ctx.label, len(ctx.settings), ctx.skipped)
+            if matrix
+            else None
+        )
         sections = [
             render_markdown(ctx, plots, out, top),
             turns.markdown(ctx, turns_plot),
@@ -127,11 +131,16 @@ def render(ctx: RunContext, entries: list[Entry] | None, console: Console) -> No
         if ctx.integrity is not None:  # first, before every setting judged (spec section 8)
             console.print(integrity_text(ctx.integrity), highlight=False)
             ctx = replace(ctx, integrity=None)  # said once
-        render_settings(entries, console)
+        render_settings(entries, console, ctx.skipped)
         note = (
             f"The report below describes one setting, {ctx.label}; every setting is judged above."
         )
         console.print(Text(visible(note), style="italic"), highlight=False)
+    else:
+        from mismatch_probe.report.grid import skipped_lines
+
+        for line in skipped_lines(ctx.skipped):  # settings asked for that did not run
+            console.print(Text(visible(line), style="yellow"), highlight=False)
     render_run(ctx, console)
     if ctx.trend is not None:
         console.print(render_table(ctx.trend))

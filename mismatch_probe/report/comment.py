@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from mismatch_probe.gate.compare import CHANGE_LEVEL, Comparison
 from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, evaluate
@@ -35,7 +36,7 @@ from mismatch_probe.report.markdown import (
     verdict_section,
     worst_section,
 )
-from mismatch_probe.report.sections import KEY_METRICS
+from mismatch_probe.report.sections import KEY_METRICS, SIGNED
 from mismatch_probe.report.terminal import HIST_WIDTH, _bar, _hist_rows
 from mismatch_probe.rundir.context import Entry, RunContext, WorstToken
 
@@ -91,11 +92,12 @@ def worse(key: str, base: float, value: float) -> bool | None:
     return abs(value) > abs(base)
 
 
-# Signed metrics whose value sits near 0 (a sign flip is no "-534%"): the change is a difference.
-SIGNED = frozenset(
-    {"kl", "log_ppl_diff", "log_ppl_diff_max", "log_ppl_diff_min", "seq_log_ratio_slope_per_1k"}
-)
 LEVEL = CHANGE_LEVEL  # confidence level of the intervals of a change (gate.compare)
+
+
+def _percent(value: float) -> str:
+    """``+35.2%``, ``+100%``, ``+1234%``: three significant digits, never ``+1e+02%``."""
+    return f"{value:+.3g}%" if abs(value) < 100 else f"{value:+.0f}%"
 
 
 def change_cell(
@@ -112,7 +114,7 @@ def change_cell(
         return "= no change"
     delta = value - base
     relative = bool(base) and key not in SIGNED
-    amount = f"{100 * delta / abs(base):+.3g}%" if relative else f"{delta:+.3g}"
+    amount = _percent(100 * delta / abs(base)) if relative else f"{delta:+.3g}"
     arrow = "↑" if delta > 0 else "↓"
     direction = worse(key, base, value)
     if direction is None:
@@ -226,8 +228,15 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
 
         judged = judge([(e.label, e.metrics) for e in entries])
         held = len(ctx.settings)  # more than judged: a --setting choice
-        top = [("Every setting", every_setting_markdown(judged, ctx.label, "####", of=held))]
+        grid = every_setting_markdown(judged, ctx.label, "####", of=held, skipped=ctx.skipped)
+        top = [("Every setting", grid)]
         counts = counts.replace("**Verdicts:**", f"**Verdicts of {escape(ctx.label)}:**")
+    elif ctx.skipped:
+        from mismatch_probe.report.grid import headline, judge
+        from mismatch_probe.report.markdown import skipped_markdown
+
+        line = headline(judge([(ctx.label, ctx.metrics)]), ctx.skipped)
+        top = [("Skipped", [f"**{escape(line)}**", "", *skipped_markdown(ctx.skipped, "####")])]
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
     head += decisions.recommendation_md(ctx.tables, ctx.setting)
     head += layers.comment_lines(ctx.layer_curve())  # --layers
@@ -336,12 +345,14 @@ def comparison_comment(comparison: Comparison) -> str:
     head += [f"> ⚠️ **The runs differ:** {escape(w)}" for w in comparison.warnings]
     head += [""] if comparison.warnings else []
     keys = [k for k, _ in KEY_METRICS]
+    head += _every_head_setting(comparison, labels[-1])
     if len(pairs) == 1:
         head += [verdict_counts([v.status for v in evaluate(head_ctx.metrics)]), ""]
         intervals = pairs[0].intervals
         every = sorted({k for r in runs for k in r.metrics})
         parts = [
             ("Header", head),
+            *_head_only_parts(comparison, labels[-1]),
             ("Verdicts", ["#### Verdicts", "", *comparison_verdicts(runs, labels), ""]),
             (
                 "Key metrics",
@@ -358,6 +369,41 @@ def comparison_comment(comparison: Comparison) -> str:
     return fit([("Header", head), *_matrix_parts(comparison, keys), *_tail(head_ctx)])
 
 
+def _head_judged(comparison: Comparison) -> list[Any]:
+    """Every setting of HEAD (the last run) judged: the paired ones and those only it holds."""
+    from mismatch_probe.report.grid import judge
+
+    paired = [
+        (str(p.setting or p.entries[-1].label), p.runs[-1].metrics) for p in comparison.all_pairs
+    ]
+    return judge([*paired, *comparison.head_only])
+
+
+def _every_head_setting(comparison: Comparison, head_label: str) -> list[str]:
+    """The opening line over every setting of HEAD, where it holds settings the baseline does
+    not (else the verdicts below already cover them all)."""
+    from mismatch_probe.report.grid import headline
+
+    if not comparison.head_only:
+        return []
+    line = headline(_head_judged(comparison))
+    return [f"**Every setting of {escape(head_label)}:** {escape(line)}", ""]
+
+
+def _head_only_parts(comparison: Comparison, head_label: str) -> list[tuple[str, list[str]]]:
+    """HEAD's settings without a baseline, judged (the grid), so none hides."""
+    from mismatch_probe.report.grid import grid_markdown, judge
+
+    if not comparison.head_only:
+        return []
+    judged = judge(list(comparison.head_only))
+    title = (
+        f"#### Settings only {escape(head_label)} holds ({len(judged)}, not compared: "
+        "no baseline), judged"
+    )
+    return [("Only in HEAD", [title, "", *grid_markdown(judged), ""])]
+
+
 def _matrix_parts(comparison: Comparison, keys: list[str]) -> list[tuple[str, list[str]]]:
     """Every setting's HEAD verdicts (the grid), then each paired setting's key metrics with
     their changes, and the settings only some runs hold."""
@@ -368,7 +414,10 @@ def _matrix_parts(comparison: Comparison, keys: list[str]) -> list[tuple[str, li
     top = every_setting_markdown(judged, str(pairs[0].setting), "####")[:-2]
     head_label = escape(pairs[0].entries[-1].label)
     top[0] = f"#### Every setting of {head_label} judged ({len(pairs)} paired by name)"
-    parts = [("Every setting", [*top, ""])]
+    parts = [
+        ("Every setting", [*top, ""]),
+        *_head_only_parts(comparison, pairs[0].entries[-1].label),
+    ]
     for pair in pairs:
         runs, labels = list(pair.runs), [e.label for e in pair.entries]
         metrics = comparison_metrics(keys, runs, labels, pair.intervals)

@@ -28,7 +28,7 @@ from mismatch_probe.report.plots import (
     new_figure,
     save,
 )
-from mismatch_probe.report.sections import KEY_METRICS, fmt, visible
+from mismatch_probe.report.sections import KEY_METRICS, SIGNED, fmt, visible
 from mismatch_probe.rundir.context import Entry
 
 # name -> (title, drawer) of the overlaid figures; the file is compare_<name>.png.
@@ -74,18 +74,28 @@ def _ratio_cell(value: float | None) -> str:
     return "—" if value is None else f"×{value:.3g}"
 
 
+def _difference_cell(value: float | None, base: float | None) -> str:
+    return "—" if value is None or base is None else f"Δ{value - base:+.3g}"
+
+
 def row_cells(row: CompareRow) -> list[str]:
-    """First value, then (value, ratio to the first) for each later entry."""
-    cells = [_cell(row.key, row.values[0])]
+    """First value, then (value, ratio to the first) for each later entry; a signed metric's
+    (``sections.SIGNED``, near 0, either sign) change is its difference, ``Δ-0.02``."""
+    base = row.values[0]
+    cells = [_cell(row.key, base)]
     for value, r in zip(row.values[1:], row.ratios[1:], strict=True):
-        cells += [_cell(row.key, value), _ratio_cell(r)]
+        change = _difference_cell(value, base) if row.key in SIGNED else _ratio_cell(r)
+        cells += [_cell(row.key, value), change]
     return cells
 
 
 def comparison_table(entries: list[Entry], rows: list[CompareRow], title: str = "") -> Table:
     """metric | first | second | ×ratio | ...: the ratio of each later entry to the first."""
     where = f" of {title}" if title else ""
-    table = Table(title=f"Key metrics{where} (×: ratio to the first run)", title_justify="left")
+    table = Table(
+        title=f"Key metrics{where} (×: ratio to the first run; Δ: difference, signed metrics)",
+        title_justify="left",
+    )
     table.add_column("metric")
     for i, e in enumerate(entries):
         table.add_column(Text(visible(e.label)), justify="right")

@@ -188,7 +188,7 @@ def entropy_md(ctx: RunContext) -> list[str]:
         ]
         for b in curve["bins"]
     ]
-    header = ["quantile", "entropy (nats)", "tokens", "mean entropy", "mean |log ρ|", "mean k3"]
+    header = ["quantile", "entropy (nats)", "tokens", "mean entropy", "mean \\|log ρ\\|", "mean k3"]
     return [*lines, *table(header, rows, "lrrrrr"), ""]
 
 
@@ -224,7 +224,10 @@ def sweep_rich(tables: dict[str, Any]) -> list[Table]:
         present = [f for f in families if f in by_family]
         if not present:
             continue
-        title = f"Threshold sweep ({name}): tokens · sequences masked; bold: a preset's default"
+        title = (
+            f"Threshold sweep ({name}): tokens · sequences masked (TIS: truncated); "
+            "bold: a preset's default"
+        )
         t = Table(title=title, title_justify="left")
         t.title_style = "bold"
         t.add_column("family")

@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, HealthCheck, Verdict, evaluate
-from mismatch_probe.report.markdown import VERDICT_MARK, escape, num, table
+from mismatch_probe.report.markdown import VERDICT_MARK, escape, num, skipped_markdown, table
 from mismatch_probe.report.sections import fmt, visible
 
 # (metric, terminal header) of the matrix table, in order (the scan summary's key numbers);
@@ -90,13 +90,25 @@ def check_order(judged: Sequence[Judged]) -> list[int]:
     return sorted(shown, key=lambda i: -counts[i])
 
 
-def headline(judged: Sequence[Judged]) -> str:
-    """``2 of 12 settings fail a check: rollout=bf16,kv=fp8 | train=fp32, ...`` or all pass."""
+def headline(judged: Sequence[Judged], skipped: Sequence[tuple[str, str]] = ()) -> str:
+    """``2 of 12 settings fail a check: rollout=bf16,kv=fp8 | train=fp32, ...`` or all pass;
+    with ``skipped`` (setting, reason) the settings that did not run are counted and named."""
     bad = [j.setting for j in judged if j.failing]
     n = len(judged)
+    ran = " that ran" if skipped else ""
     if not bad:
-        return f"All {n} settings pass every check."
-    return f"{len(bad)} of {n} settings fail a check: {', '.join(bad)}."
+        text = f"All {n} settings{ran} pass every check."
+    else:
+        text = f"{len(bad)} of {n} settings{ran} fail a check: {', '.join(bad)}."
+    if skipped:
+        names = ", ".join(name for name, _ in skipped)
+        text += f" {len(skipped)} of {n + len(skipped)} settings did not run: {names}."
+    return text
+
+
+def skipped_lines(skipped: Sequence[tuple[str, str]]) -> list[str]:
+    """``skipped SETTING: reason`` for each setting that did not run."""
+    return [f"skipped {name}: {reason}" for name, reason in skipped]
 
 
 # --- terminal ----------------------------------------------------------------------------------
@@ -201,21 +213,26 @@ def matrix_markdown(judged: Sequence[Judged]) -> list[str]:
 
 
 def every_setting_markdown(
-    judged: Sequence[Judged], reference: str, level: str = "##", of: int | None = None
+    judged: Sequence[Judged],
+    reference: str,
+    level: str = "##",
+    of: int | None = None,
+    skipped: Sequence[tuple[str, str]] = (),
 ) -> list[str]:
-    """The top of a matrix run's report: the headline, the grid, the matrix table, and which
-    setting the sections below describe; ``of``: the settings the run holds, when only some of
-    them are judged (``--setting``)."""
+    """The top of a matrix run's report: the headline, the grid, the settings that did not run
+    (``skipped``), the matrix table, and which setting the sections below describe; ``of``: the
+    settings the run holds, when only some of them are judged (``--setting``)."""
     title = "Every setting judged"
     if of is not None and of > len(judged):
         title = f"The {len(judged)} settings chosen with --setting judged (of {of} in the run)"
     return [
         f"{level} {title}",
         "",
-        f"**{escape(headline(judged))}**",
+        f"**{escape(headline(judged, skipped))}**",
         "",
         *grid_markdown(judged),
         "",
+        *skipped_markdown(skipped, level),
         f"{level} Every setting, least mismatch (`k3_kl`) first",
         "",
         *matrix_markdown(judged),

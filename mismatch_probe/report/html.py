@@ -61,7 +61,8 @@ table { border-collapse: collapse; margin: .6rem 0 1rem; max-width: 100%; displa
 th, td { border: 1px solid var(--line); padding: .25rem .6rem; vertical-align: top; }
 th { background: var(--bg2); text-align: left; }
 tr:nth-child(2n) td { background: #fafbfc; }
-td { overflow-wrap: anywhere; }
+td { overflow-wrap: break-word; }
+td[style*="right"] { white-space: nowrap; }
 code { font: .88em/1.4 ui-monospace, "DejaVu Sans Mono", Menlo, Consolas, monospace;
   background: var(--bg2); padding: .1em .3em; border-radius: 4px; }
 pre { background: var(--bg2); padding: .8rem; overflow-x: auto; border-radius: 6px; }

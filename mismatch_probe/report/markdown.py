@@ -10,6 +10,7 @@ The only HTML in the file is the ``<b>``/``<details>`` markup written here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from mismatch_probe.metrics.verdicts import SOURCES, Verdict, evaluate
@@ -89,6 +90,23 @@ def presets_section(ctx: RunContext) -> list[str]:
     return ["### What each correction preset would do", "", *table(header, rows, "llrrr"), ""]
 
 
+def skipped_markdown(
+    skipped: Sequence[tuple[str, str]], level: str = "##", ran: int | None = None
+) -> list[str]:
+    """A section naming each setting that did not run and why ([] when every setting ran);
+    ``ran``: the settings that did, to count both where no headline above does."""
+    if not skipped:
+        return []
+    rows = [[escape(name), escape(reason)] for name, reason in skipped]
+    title = f"{level} Settings that did not run ({len(skipped)} skipped)"
+    count = (
+        []
+        if ran is None
+        else [f"**{len(skipped)} of {ran + len(skipped)} settings did not run.**", ""]
+    )
+    return [title, "", *count, *table(["setting", "why it was skipped"], rows, "ll"), ""]
+
+
 def plots_section(plots: dict[str, tuple[Path, str]], base: Path) -> list[str]:
     """``![title](relative/path.png)`` for each plot, paths relative to ``base``."""
     out = ["## Plots", ""]
@@ -151,7 +169,7 @@ def render_markdown(
         "",
         *integrity_markdown(ctx.integrity),
         *decisions.recommendation_md(ctx.tables, ctx.setting),
-        *(top or []),
+        *(top if top else skipped_markdown(ctx.skipped, ran=max(len(ctx.settings), 1))),
         *settings_section(ctx),
         *verdict_section(evaluate(ctx.metrics)),
     ]

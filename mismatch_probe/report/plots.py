@@ -391,7 +391,9 @@ def write_k3_by_setting(entries: list[Any], path: Path) -> tuple[Path, str]:
     from mismatch_probe.metrics.recommend import NONE_NEEDED_K3
     from mismatch_probe.metrics.verdicts import FAIL, HEALTH_CHECKS, evaluate
 
-    title = "k3_kl per setting, with the verdict thresholds"
+    bounds = [(c, b) for c in HEALTH_CHECKS if c.metric == "k3_kl" for b in c.bounds]
+    drawn = "the verdict bounds and " if bounds else ""
+    title = f"k3_kl per setting (colour: its verdicts), {drawn}the none-needed bound"
     fig, ax = new_figure()
     values = np.array([e.metrics["k3_kl"] for e in entries])
     failing = [sum(v.status == FAIL for v in evaluate(e.metrics)) for e in entries]
@@ -408,10 +410,8 @@ def write_k3_by_setting(entries: list[Any], path: Path) -> tuple[Path, str]:
         linestyle="--",
         label=f"none needed below {NONE_NEEDED_K3:g} (recommendation rule)",
     )
-    for check in HEALTH_CHECKS:
-        if check.metric == "k3_kl":
-            for bound in check.bounds:
-                ax.axhline(bound, color="tab:red", linestyle=":", label=f"verdict: {check.label}")
+    for check, bound in bounds:
+        ax.axhline(bound, color="tab:red", linestyle=":", label=f"verdict: {check.label}")
     log_y(ax, values, "k3_kl")
     ax.set_xticks(x, [visible(e.label) for e in entries], rotation=20, ha="right", fontsize=7)
     from matplotlib.patches import Patch
@@ -434,7 +434,7 @@ PLOTS: dict[str, tuple[str, PlotFn]] = {
     "f_tau": ("F(τ): share of tokens whose ratio exceeds τ either way", plot_f_tau),
     "prob_bins": ("Mismatch by rollout-probability bin", plot_prob_bins),
     "threshold_sweep": (
-        "How much each correction masks as its threshold moves",
+        "How much each correction masks (TIS: truncates) as its threshold moves",
         plot_threshold_sweep,
     ),
     "seq_weights": ("Sequence IS weights with the sequence-level bounds", plot_seq_weights),

@@ -93,6 +93,12 @@ DIAGNOSTICS = (
     "entropy_mean",
 )
 
+# Signed metrics whose value sits near 0 (a sign flip is no "-534%", no "x-4.34"): a change of
+# one is a difference, in the PR comment and in the terminal comparison.
+SIGNED = frozenset(
+    {"kl", "log_ppl_diff", "log_ppl_diff_max", "log_ppl_diff_min", "seq_log_ratio_slope_per_1k"}
+)
+
 
 def rejection_keys(metrics: dict[str, float]) -> tuple[str, ...]:
     """The masked fractions of the configured rejection options (none when RS is off)."""
@@ -198,9 +204,15 @@ def precisions_text(run: dict[str, Any], label: str) -> str:
     """The setting described, and for a matrix run that it is one of several (all judged in
     the grid of every setting)."""
     settings = run.get("settings")
-    if isinstance(settings, list) and len(settings) > 1:
+    if not isinstance(settings, list) or len(settings) < 2:
+        return label
+    skipped = sum(1 for r in run.get("rollouts") or () if isinstance(r, dict) and r.get("skipped"))
+    if not skipped:
         return f"{label} (one of {len(settings)} settings; every setting is judged in the grid)"
-    return label
+    return (
+        f"{label} (one of {len(settings)} settings asked for; those that did not run are "
+        "listed above, the others judged in the grid)"
+    )
 
 
 def model_text(run: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ this module renders them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +44,21 @@ def judged(entries: list[Entry]) -> list[Any]:
     return judge([(e.label, e.metrics) for e in entries])
 
 
-def render_settings(entries: list[Entry], console: Console) -> None:
-    """The setting x verdict grid, the matrix table, the lowest-mismatch setting and each
-    setting's recommended correction."""
+def render_settings(
+    entries: list[Entry], console: Console, skipped: Sequence[tuple[str, str]] = ()
+) -> None:
+    """The setting x verdict grid, the settings that did not run (``skipped``), the matrix
+    table, the lowest-mismatch setting and each setting's recommended correction."""
     from mismatch_probe.report.decisions import recommendation_text
-    from mismatch_probe.report.grid import grid_table, headline, matrix_table
+    from mismatch_probe.report.grid import grid_table, headline, matrix_table, skipped_lines
 
     rows = judged(entries)
     style = "bold red" if any(j.failing for j in rows) else "bold green"
     console.print(
         Group(
-            Text(visible(headline(rows)), style=style),
+            Text(visible(headline(rows, skipped)), style=style),
             grid_table(rows),
+            *(Text(visible(line), style="yellow") for line in skipped_lines(skipped)),
             matrix_table(rows),
             Text(visible(recommendation(entries)), style="bold"),
             *(Text(visible(f"  {e.label}: {recommendation_text(e.tables)}")) for e in entries),
@@ -62,12 +66,17 @@ def render_settings(entries: list[Entry], console: Console) -> None:
     )
 
 
-def settings_top_markdown(entries: list[Entry], reference: str, of: int | None = None) -> list[str]:
-    """The top of a matrix run's report.md: every setting judged (``grid``); ``of``: the
-    settings the run holds, when ``entries`` are only some of them."""
+def settings_top_markdown(
+    entries: list[Entry],
+    reference: str,
+    of: int | None = None,
+    skipped: Sequence[tuple[str, str]] = (),
+) -> list[str]:
+    """The top of a matrix run's report.md: every setting judged (``grid``) and those that did
+    not run; ``of``: the settings the run holds, when ``entries`` are only some of them."""
     from mismatch_probe.report.grid import every_setting_markdown
 
-    return every_setting_markdown(judged(entries), reference, of=of)
+    return every_setting_markdown(judged(entries), reference, of=of, skipped=skipped)
 
 
 def settings_markdown(entries: list[Entry], out_dir: Path) -> str:

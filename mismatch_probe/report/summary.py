@@ -74,10 +74,14 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
         f"T={sampling['temperature']} top_p={sampling['top_p']} top_k={sampling['top_k']}"
     )
     ranked = sorted(result.settings.items(), key=lambda item: item[1]["k3_kl"])
-    if len(ranked) > 1:
+    asked = [str(s) for s in run.get("settings") or result.skipped]
+    skipped = [
+        (s, result.skipped[s.split(" | ")[0]]) for s in asked if s.split(" | ")[0] in result.skipped
+    ]
+    if len(ranked) > 1 or skipped:
         judged = judge(list(result.settings.items()))
         style = "bold red" if any(j.failing for j in judged) else "bold green"
-        console.print(Text(visible(headline(judged)), style=style))
+        console.print(Text(visible(headline(judged, skipped)), style=style))
         console.print(grid_table(judged))
     console.print(settings_table(ranked))
     for name, reason in result.skipped.items():

@@ -9,6 +9,7 @@ trajectories all have one turn (every single-turn scan) gets none of this.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,16 @@ def drift_lines(ctx: RunContext) -> list[str]:
     ]
     example = ctx.drift_example
     if example:
-        lines += [f"First difference of an example trajectory: {escape(clip(example))}", ""]
+        shown = escape(keep_spaces(clip(example)))
+        lines += [f"First difference of an example trajectory: {shown}", ""]
     return lines
+
+
+def keep_spaces(text: str) -> str:
+    """Spaces Markdown and HTML would collapse shown as ␣: every space of the marked token
+    (``»  «``, the engine's two-space token) and every run of two or more elsewhere."""
+    marked = re.sub(r"»([^«]*)«", lambda m: "»" + m.group(1).replace(" ", "␣") + "«", text)
+    return re.sub(r" {2,}", lambda m: "␣" * len(m.group(0)), marked)
 
 
 def drift_text(ctx: RunContext) -> list[str]:

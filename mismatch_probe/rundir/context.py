@@ -145,6 +145,23 @@ class RunContext:
     layers: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def skipped(self) -> tuple[tuple[str, str], ...]:
+        """The settings the run asked for that did not run, each with why (``run.json``: a
+        rollout setting the backend refused skips every setting it is part of)."""
+        why = {
+            str(r.get("setting")): str(r["skipped"])
+            for r in self.run.get("rollouts") or ()
+            if isinstance(r, dict) and r.get("skipped")
+        }
+        if not why:
+            return ()
+        asked = self.run.get("settings")
+        names = [str(s) for s in asked] if isinstance(asked, list) and asked else list(why)
+        return tuple(
+            (name, why[name.split(" | ")[0]]) for name in names if name.split(" | ")[0] in why
+        )
+
+    @property
     def label(self) -> str:
         """The setting (``rollout=bf16 | train=fp32``), else the directory name."""
         setting = self.setting or self.run.get("setting")
@@ -424,6 +441,32 @@ def read_token_probs(path: Path, setting: str | None = None) -> TokenProbs:
         else np.zeros(len(rollout), dtype=bool)
     )
     return TokenProbs(rollout, train, flip)
+
+
+def _parts(text: str) -> set[str]:
+    """``rollout=bf16,kv=fp8 | train=fp32`` -> ``{"rollout=bf16", "kv=fp8", "train=fp32"}``."""
+    return {p.strip() for half in text.split("|") for p in half.split(",") if p.strip()}
+
+
+def match_settings(wanted: Sequence[str], names: Sequence[str]) -> tuple[str, ...]:
+    """Each ``--setting`` value as the setting it names: a setting's name, or some of its parts
+    (``kv=fp8``, ``rollout=bf16``) that only one setting of ``names`` has; a value that names
+    none is returned as given (the caller says what the run holds).
+
+    Raises:
+        ProbeError: parts that several settings have (they are named).
+    """
+    out = []
+    for value in wanted:
+        parts = _parts(value)
+        found = [n for n in names if parts <= _parts(n)] if value not in names and parts else []
+        if len(found) > 1:
+            raise ProbeError(
+                f"--setting {value!r} names {len(found)} settings ({'; '.join(found)}): "
+                "give more of its parts or the whole name"
+            )
+        out.append(found[0] if found else value)
+    return tuple(out)
 
 
 def setting_names(run_dir: Path, order: list[str] | None = None) -> list[str]:

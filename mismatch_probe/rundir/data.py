@@ -85,14 +85,25 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     """``run.json``, else the run metadata stored in the token store.
 
     Raises:
-        ProbeError: a ``run.json`` that is not valid JSON of finite numbers.
+        ProbeError: a ``run.json`` that is not valid JSON of finite numbers, not an object
+            (``[]``), or of another ``schema_version`` than this version writes.
     """
     path = Path(run_dir) / store.RUN_FILE
     if path.exists():
         try:
-            return dict(store.read_json(path))
+            data = store.read_json(path)
         except (OSError, TypeError, ValueError):
             raise ProbeError(f"{path} is not valid JSON of finite numbers") from None
+        if not isinstance(data, dict):
+            kind = type(data).__name__
+            raise ProbeError(f"{path} is not a run's metadata (a JSON {kind}, not an object)")
+        version = data.get("schema_version", store.SCHEMA_VERSION)
+        if str(version) != store.SCHEMA_VERSION:
+            raise ProbeError(
+                f"{path}: schema_version {version!r}, this mismatch_probe reads "
+                f"{store.SCHEMA_VERSION!r} (re-run the scan or ingest with this version)"
+            )
+        return data
     return store.read_run_metadata(store.resolve_tokens_path(Path(run_dir)))
 
 

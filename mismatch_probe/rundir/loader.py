@@ -20,6 +20,7 @@ from mismatch_probe.rundir.context import (
     RunContext,
     build_run,
     decision_tables,
+    match_settings,
     setting_names,
 )
 from mismatch_probe.rundir.data import RunData, read_data
@@ -105,6 +106,7 @@ def select_settings(
     import difflib
 
     names = setting_names(run_dir, order)
+    wanted = match_settings(wanted, names)  # kv=fp8: the one setting with that part
     missing = [w for w in wanted if w not in names]
     if missing:
         close = difflib.get_close_matches(missing[0], names, n=1)

@@ -119,6 +119,16 @@ SEQUENCE_TURN_FIELDS = (
 )
 
 
+# Each sequence's own mismatch (a scan's; null where a token's log-probability is not finite), so
+# that "which sequences carry the mismatch" needs no join with the token store: the sum over its
+# response tokens of ``k3`` on ``clampB(r)`` (the terms of ``k3_kl``) and of ``r`` itself
+# (``r = train_logprob - rollout_logprob``, the log of the sequence's IS ratio).
+SEQUENCE_MISMATCH_FIELDS = (
+    pa.field("seq_k3_sum", pa.float64()),
+    pa.field("seq_log_ratio_sum", pa.float64()),
+)
+
+
 def token_schema(names: Sequence[str]) -> pa.Schema:
     """``TOKEN_SCHEMA`` plus the entropy, rung, turn and setting fields among ``names``."""
     extra = [
@@ -129,7 +139,7 @@ def token_schema(names: Sequence[str]) -> pa.Schema:
 
 def sequence_schema(names: Sequence[str]) -> pa.Schema:
     """``SEQUENCE_SCHEMA`` plus the setting fields among ``names``."""
-    optional = (*SEQUENCE_TURN_FIELDS, *SETTING_FIELDS)
+    optional = (*SEQUENCE_MISMATCH_FIELDS, *SEQUENCE_TURN_FIELDS, *SETTING_FIELDS)
     return pa.schema([*SEQUENCE_SCHEMA, *(f for f in optional if f.name in names)])
 
 
@@ -179,6 +189,8 @@ FIELD_DESCRIPTIONS: dict[str, str] = {
     "rerender_mismatched_tokens": "generated tokens whose re-rendered id differs or has no "
     "aligned counterpart",
     "rerender_context": "the first re-render difference, in context",
+    "seq_k3_sum": "the sequence's k3 summed over its response tokens (k3 on clampB(r))",
+    "seq_log_ratio_sum": "the sequence's r = train - rollout log-prob summed (log IS ratio)",
 }
 
 
