@@ -97,6 +97,7 @@ def test_check_refuses_a_baseline_from_other_hardware(
 ) -> None:
     head, base = two_machines
     args = ["check", str(head), "--baseline", str(base), "--max-increase", "k3_kl=1.5x"]
+    args += ["--accept", "truncated_support"]  # a uniform run's constant log-ratio
     code, out = run_main(args, monkeypatch, capsys)
     assert code == 2
     assert out.startswith("error: the runs are not comparable: hardware differs (head: ")
@@ -122,5 +123,6 @@ def test_a_run_without_the_record_is_not_refused(
     head, base = two_machines
     edit_run_json(base, hardware={})
     args = ["check", str(head), "--baseline", str(base), "--max-increase", "k3_kl=1.5x"]
+    args += ["--accept", "truncated_support"]  # a uniform run's constant log-ratio
     code, _ = run_main(args, monkeypatch, capsys)
     assert code == 0

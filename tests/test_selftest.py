@@ -18,7 +18,6 @@ pytestmark = pytest.mark.engine
 
 # Rows whose detector branch issue29 adds (implausible_logprob; per-sequence holds of
 # shifted_by_one): they cannot hold before it is merged; then this set becomes empty.
-PENDING_ISSUE29 = {"-1e9 placeholders", "shifted by one, a share"}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,7 @@ def test_every_fault_is_caught_by_its_detector(result: SelftestResult) -> None:
     assert [r.fault for r in result.rows] == list(FAULTS)
     seen = {r.fault.name: r.seen for r in result.rows}
     held = {r.fault.name for r in result.rows if r.held}
-    assert held == {f.name for f in FAULTS} - PENDING_ISSUE29, seen
+    assert held == {f.name for f in FAULTS}, seen
     assert seen["clean control"] == "no finding; probe check passes"
     assert "the rollout side flatter" in seen["temperature gap, T=0.7"]  # trainer sharper
     assert "the rollout side sharper" in seen["temperature gap, T=1.3"]
@@ -40,7 +39,7 @@ def test_every_fault_is_caught_by_its_detector(result: SelftestResult) -> None:
     assert seen["one setting past a bound"].endswith(
         "failing: rollout=fp32 | train=fp32 (faulty copy)"
     )
-    assert not result.passed and result.tokens >= 100
+    assert result.passed and result.tokens >= 100
 
 
 def test_the_table_says_what_held(result: SelftestResult) -> None:
@@ -49,9 +48,10 @@ def test_the_table_says_what_held(result: SelftestResult) -> None:
     render_selftest(rows, result.model, result.tokens, console)
     text = console.file.getvalue()  # type: ignore[attr-defined]
     assert "must be caught by" in text and "probe check --exact" in text
-    assert f"{len(PENDING_ISSUE29)} of {len(FAULTS)} rows do not hold" in text
-    render_selftest([r for r in rows if r[4]], result.model, result.tokens, console)
-    assert f"all {len(FAULTS) - len(PENDING_ISSUE29)} rows hold" in console.file.getvalue()  # type: ignore[attr-defined]
+    assert f"all {len(FAULTS)} rows hold" in text
+    missed = [(*row[:4], False) if i == 0 else row for i, row in enumerate(rows)]
+    render_selftest(missed, result.model, result.tokens, console)
+    assert f"1 of {len(FAULTS)} rows do not hold" in console.file.getvalue()  # type: ignore[attr-defined]
 
 
 def test_out_must_be_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:

@@ -311,7 +311,12 @@ def gate(cfg: CheckConfig) -> Gate:
     try:
         bounds = _gate_bounds(cfg, head_settings, differences)
     except ProbeError:
-        if checked.integrity_errors:  # e.g. NaN log-probs: no metrics, but the finding says why
+        # e.g. NaN log-probs: no metrics, but the finding says why; a bound naming no metric
+        # probe has is a usage error still (exit 2)
+        from mismatch_probe.metrics.names import lookup
+
+        named = [b.metric for b in (*cfg.bounds, *cfg.increases)]
+        if checked.integrity_errors and all(lookup(m) is not None for m in named):
             return checked
         raise
     result = replace(bounds, integrity=checked.integrity, step=checked.step, accepted=cfg.accept)
