@@ -315,7 +315,7 @@ def gate(cfg: CheckConfig) -> Gate:
         # probe has is a usage error still (exit 2)
         from mismatch_probe.metrics.names import lookup
 
-        named = [b.metric for b in (*cfg.bounds, *cfg.increases)]
+        named = [b.metric for b in cfg.bounds] + [b.metric for b in cfg.increases]
         if checked.integrity_errors and all(lookup(m) is not None for m in named):
             return checked
         raise
