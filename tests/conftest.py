@@ -85,6 +85,12 @@ def tiny_tokenizer(tiny_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
+def _groups_alive() -> bool:
+    from vllm.distributed import parallel_state
+
+    return bool(parallel_state.model_parallel_is_initialized())
+
+
 class EnginePool:
     """Real vLLM engines on the tiny model, one configuration alive at a time."""
 
@@ -99,6 +105,10 @@ class EnginePool:
         from mismatch_probe.sampling import SamplingSpec
         from mismatch_probe.settings import RolloutSetting
 
+        if self.key is not None and not _groups_alive():
+            # a test's own in-process engine (a scan, a refit) stopped since: its shutdown took
+            # down vLLM's process-wide parallel groups, which this engine runs in
+            self.close()
         if self.key != (dtype, logprobs_mode):
             self.close()
             spec = SamplingSpec(logprobs_mode=logprobs_mode)  # type: ignore[arg-type]

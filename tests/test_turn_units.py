@@ -133,7 +133,7 @@ def test_template_that_is_not_append_only_is_refused(tokenizer: Any) -> None:
 
 def test_multi_turn_needs_the_chat_template(tokenizer: Any) -> None:
     tokenizer.chat_template = CHAT_TEMPLATE
-    with pytest.raises(ProbeError, match="multi-turn prompts need the chat template"):
+    with pytest.raises(ProbeError, match="multi-turn prompts need a chat template"):
         encode_prompts([Prompt(0, messages=MESSAGES)], tokenizer, False, 512, 16)
 
 

@@ -16,10 +16,7 @@ from rich.text import Text
 from mismatch_probe.metrics.integrity import ERROR, Finding, Integrity
 from mismatch_probe.report.sections import visible
 
-CLEAN = (
-    "Data integrity: clean (no placeholder, shifted, copied, implausible, positive or non-finite "
-    "log-prob; no temperature or top-p gap)"
-)
+CLEAN = "Data integrity: clean (no placeholder, shift, copy, bad log-prob or sampling gap)"
 MARK = {ERROR: ("❌", "✘", "bold red"), "warning": ("⚠️", "⚠", "yellow")}  # md, terminal, style
 
 
