@@ -5,9 +5,11 @@ A row names how the fault is injected (``inject``: the clean ``Tokens`` in, the 
 out), the path its data takes in real use (``path``: ``"store"``, the scan's token store;
 ``"ingest"``, written as a framework log and read by ``probe ingest``; ``"exact"``, a store whose
 two sides were made bitwise equal first; ``"matrix"``, a precision-matrix store with the fault
-in one setting) and what must see it (``expect``: an integrity check, ``"check"`` for
-``probe check``'s k3 bound, ``"exact"`` for ``probe check --exact``, ``"matrix"`` for
-``probe check`` naming the faulty setting). Adding a row is adding an entry to ``FAULTS``.
+in one setting; ``"refit"``, the scanned model pushed into an engine running it through
+``probe refit``'s reload with one tensor perturbed, its tokens untouched) and what must see it
+(``expect``: an integrity check, ``"check"`` for ``probe check``'s k3 bound, ``"exact"`` for
+``probe check --exact``, ``"matrix"`` for ``probe check`` naming the faulty setting, ``"refit
+audit"``). Adding a row is adding an entry to ``FAULTS``.
 
 Rows whose detector another branch adds are in the table already; ``requires`` names the
 integrity check such a row needs, and while this probe lacks it the row reports so and does
@@ -161,6 +163,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("rows permuted", "whole sequences' training sides swapped", "check", permute),
     Fault("one setting past a bound", "a matrix, one setting's rollout side off by noise",
           "matrix", past_bound, path="matrix"),
+    Fault("one tensor perturbed in a refit", "the model pushed into an engine running it "
+          "(probe refit --method reload), one weight tensor perturbed", "refit audit",
+          lambda t: t, path="refit"),
 )  # fmt: skip
-# The refit audit's row (one weight tensor perturbed through ``probe refit``) joins when
-# ``probe refit`` exists (branch issue32).

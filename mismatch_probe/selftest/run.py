@@ -34,6 +34,7 @@ from mismatch_probe.selftest.faults import FAULTS, Fault, Tokens
 
 SCAN_PROMPTS, SCAN_SAMPLES, SCAN_TOKENS = 8, 2, 32
 K3_BOUND = 1e-2  # the k3 bound of the "check" rows (the CI page's example bound)
+REFIT_PROMPTS, REFIT_TOKENS = 2, 8  # the refit row: a short run
 RESCORINGS = {  # the training side's other settings, same tokens
     "T=1": SamplingSpec(),
     "T=0.7": SamplingSpec(temperature=0.7),
@@ -233,6 +234,8 @@ def _row(fault: Fault, clean: Tokens, table: pa.Table, run: dict[str, Any], work
         return _exact_row(fault, clean, faulty, table, run, where)
     if fault.path == "matrix":
         return _matrix_row(fault, clean, faulty, table, run, where)
+    if fault.path == "refit":
+        return _refit_row(fault, Path(run["model"]["path"]), Path(run["prompts"]["path"]), where)
     run_dir = _write_run(where, _with_sides(table, faulty), run)
     found = _found(run_dir)
     if fault.expect == "none":
@@ -280,6 +283,20 @@ def _matrix_row(fault: Fault, clean: Tokens, faulty: Tokens, table: pa.Table,
     failing = [str(s.setting) for s in result.settings if not s.passed]
     seen = f"probe check: exit {int(not result.passed)}, failing: {', '.join(failing) or 'none'}"
     return Row(fault, seen, failing == [bad])
+
+
+def _refit_row(fault: Fault, model: Path, prompts: Path, where: Path) -> Row:
+    """``probe refit`` from the model to itself on the scan's prompts, one tensor of the pushed
+    copy perturbed: the audit must name that tensor as mismatched and ``probe check`` fail on
+    it (the weight audit needs no cached prefix; the links are not this row's)."""
+    from mismatch_probe.pipeline.refit import RefitConfig, perturbed_refit_caught
+
+    cfg = RefitConfig(model, model, where, prompts=prompts, num_prompts=REFIT_PROMPTS,
+                      max_tokens=REFIT_TOKENS,
+                      vllm_args={"kv_cache_memory_bytes": 128 << 20})  # fmt: skip
+    caught, name = perturbed_refit_caught(cfg)
+    seen = f"refit audit: {name or 'no tensor'} {'named as mismatched' if caught else 'missed'}"
+    return Row(fault, seen, caught)
 
 
 def _listed(found: dict[str, str]) -> str:
