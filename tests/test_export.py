@@ -130,7 +130,10 @@ def test_trackio_reads_back(run: Path, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     import sys
 
-    assert "trackio" not in sys.modules  # its store's folder is read once, at import
+    # trackio reads its store's folder once, at import (another test, TRL's, may have imported
+    # it already): imported afresh here, the earlier modules put back afterwards
+    for name in [m for m in sys.modules if m == "trackio" or m.startswith("trackio.")]:
+        monkeypatch.delitem(sys.modules, name)
     export_run(run, ExportSpec("trackio", project="probe-test"))
     from trackio.sqlite_storage import SQLiteStorage
 
