@@ -23,6 +23,7 @@ from mismatch_probe.pipeline.refit import (
     perturbed_refit_caught,
     run_refit,
 )
+from tests.bench.refit import checkpoint_pair
 from tests.cli_runner import run_probe
 from tests.tolerances import ulp_bound
 
@@ -37,22 +38,8 @@ ENGINE_ARGS = {"kv_cache_memory_bytes": 128 << 20}
 
 
 def _pair(root: Path, tied: bool, arch: str = "llama") -> tuple[Path, Path]:
-    """A tiny checkpoint A and B = A after one AdamW step on a language-modelling loss."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mismatch_probe.models.tiny import build_tiny_model
-
-    a, b = root / "A", root / "B"
-    build_tiny_model(a, arch=arch, context=1024, tied=tied)
-    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    model.save_pretrained(b)
-    AutoTokenizer.from_pretrained(a).save_pretrained(b)
-    return a, b
+    """A tiny checkpoint A and B = A after one AdamW step (the bench's pair)."""
+    return checkpoint_pair(root, tied, arch)
 
 
 @pytest.fixture(scope="module")

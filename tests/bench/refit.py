@@ -18,14 +18,16 @@ from mismatch_probe.sampling import SamplingSpec
 PROMPTS, MAX_TOKENS = 8, 32
 
 
-def _pair(root: Path) -> tuple[Path, Path]:
+def checkpoint_pair(root: Path, tied: bool = False, arch: str = "llama") -> tuple[Path, Path]:
+    """A tiny checkpoint A and B = A after one AdamW step on a language-modelling loss (the
+    bench's pair and ``tests/test_refit.py``'s)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mismatch_probe.models.tiny import build_tiny_model
 
     a, b = root / "A", root / "B"
-    build_tiny_model(a, context=1024)
+    build_tiny_model(a, arch=arch, context=1024, tied=tied)
     model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -39,7 +41,7 @@ def _pair(root: Path) -> tuple[Path, Path]:
 def bench_refit() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        a, b = _pair(root)
+        a, b = checkpoint_pair(root)
         start = time.perf_counter()
         cfg = RefitConfig(a, b, root / "refit", num_prompts=PROMPTS, max_tokens=MAX_TOKENS)
         data = run_refit(cfg, None).data
