@@ -58,12 +58,12 @@ class Run:
 RUNS = {
     "demo": Run(("--num-prompts", "3", "--max-tokens", "24"), "reports/demo"),
     "matrix": Run(
-        ("--num-prompts", "2", "--max-tokens", "16", "--rollout-dtype", "bfloat16,float32"),
+        ("--num-prompts", "2", "--max-tokens", "8", "--rollout-dtype", "bfloat16,float32"),
         "reports/demo-precision",
     ),
     "moe": Run(
         (
-            *("--num-prompts", "2", "--samples-per-prompt", "2", "--max-tokens", "16"),
+            *("--num-prompts", "2", "--samples-per-prompt", "2", "--max-tokens", "8"),
             *("--rollout-dtype", "bfloat16", "--routing-replay", "none,rollout"),
         ),
         "reports/moe",
@@ -76,7 +76,7 @@ RUNS = {
             "--num-prompts",
             "2",
             "--max-tokens",
-            "12",
+            "8",
         ),
         "reports/agentic",
     ),

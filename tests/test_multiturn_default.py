@@ -22,7 +22,7 @@ from mismatch_probe.training import rescore
 pytestmark = pytest.mark.engine
 
 AGENTIC = Path(__file__).resolve().parent.parent / "prompts" / "agentic.jsonl"
-SPEC = SamplingSpec(max_tokens=16)
+SPEC = SamplingSpec(max_tokens=8)
 CONTEXT = 2048
 
 
