@@ -67,15 +67,25 @@ def markdown_section(data: dict[str, Any], plot: Path | None, base: Path) -> str
     return "\n".join(lines)
 
 
-def comment_lines(curve: dict[str, Any] | None) -> list[str]:
-    """The pull-request comment's one line (nothing without ``--layers``)."""
+def comment_lines(curve: dict[str, Any] | None, data: dict[str, Any] | None = None) -> list[str]:
+    """The pull-request comment's line (nothing without ``--layers``): the reported setting's
+    first divergent layer (what ``probe check --min first_divergent_layer=N`` gates) and, for a
+    matrix run (``data``: its ``layers.json`` with several settings), every setting's."""
     if curve is None:
         return []
-    return [
+    lines = [
         f"**First divergent layer:** {_layer(curve['first_divergent_layer'])} "
         f"(largest growth at layer {_layer(curve['largest_growth_layer'])}; `layers.json`)",
         "",
     ]
+    settings = (data or {}).get("settings", {})
+    if len(settings) > 1:
+        each = "; ".join(
+            f"{escape(name)}: {_layer(entry['first_divergent_layer'])}"
+            for name, entry in settings.items()
+        )
+        lines[0] += f"; per setting: {each}"
+    return lines
 
 
 def render(data: dict[str, Any], console: Any) -> None:
