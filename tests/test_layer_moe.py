@@ -124,13 +124,17 @@ def test_the_routing_flip_layer_is_marked(moe: dict[str, Any], tmp_path: Path) -
 
 
 def test_the_tilted_layer_is_the_first_divergent_one(moe: dict[str, Any]) -> None:
-    """The same tilt in the streams, against the nominal float32 floor (the float32 engine is
-    the identity setting: in ``layers.json`` it is its own floor): layer 0 at the floor, layer 1
-    far above; the MoE block's output (``mlp``) diverges at layer 1, the attention output
-    nowhere; the sampled tokens' logits move."""
+    """The same tilt in the streams: the float32 engine is the identity setting, the others'
+    floor, so its own curve is judged against float32 rounding (``OWN_FLOOR``): layer 0 at the
+    floor, layer 1 far above; the MoE block's output (``mlp``) diverges at layer 1, the
+    attention output nowhere; the sampled tokens' logits move."""
+    entry = moe["data"]["settings"][SETTING.name]
+    assert entry["floor_source"] == layers.OWN_FLOOR
+    assert entry["first_divergent_layer"] == TILTED
+    assert entry["parts"]["mlp"]["first_divergent_layer"] == TILTED
+    assert entry["parts"]["attention"]["first_divergent_layer"] is None
+    assert entry["logits"]["divergent"]
     compared = moe["compared"]
     assert first_divergent_layer(compared.stream.mean_rel(), None) == TILTED
-    assert first_divergent_layer(compared.parts["mlp"].mean_rel(), None) == TILTED
-    assert first_divergent_layer(compared.parts["attention"].mean_rel(), None) is None
     assert compared.logits is not None
     assert compared.logits.rel() > DIVERGENCE_FACTOR * NOMINAL_FLOOR

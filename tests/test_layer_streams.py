@@ -31,7 +31,6 @@ import pytest
 from mismatch_probe.engine import layers as engine_layers
 from mismatch_probe.metrics.layers import (
     DIVERGENCE_FACTOR,
-    FLOAT32_EPS,
     NOMINAL_FLOOR,
     LayerComparison,
     LayerSums,
@@ -39,6 +38,7 @@ from mismatch_probe.metrics.layers import (
     floor_of,
     logit_floor,
 )
+from mismatch_probe.pipeline.layers import OWN_FLOOR
 from mismatch_probe.training import rescore
 from mismatch_probe.training.layers import hidden_streams, layer_parts
 
@@ -255,7 +255,9 @@ def test_scan_writes_layers_json(scanned: tuple[Path, int, str]) -> None:
     assert not entry["parts"]["mlp"]["layers"][-1]["after_final_norm"]
     logits = entry["logits"]
     assert 0 < logits["tokens"] <= 8 and not logits["divergent"]  # the sampled tokens
-    assert logits["floor"] == max(logits["rel"], FLOAT32_EPS)  # the identity: its own floor
+    # the identity setting is the others' floor: itself judged against float32 rounding
+    assert entry["floor_source"] == OWN_FLOOR and logits["floor"] == NOMINAL_FLOOR
+    assert logits["rel"] < REORDER_ULPS * EPS["float32"] * (len(entry["layers"]) + 1)
     assert "attention output" in (out / "report.md").read_text()
 
 

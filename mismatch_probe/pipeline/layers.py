@@ -11,7 +11,8 @@ the same ids (``training.layers``), both compared and reduced to per-layer sums
 (``metrics.layers.LayerSums``) before the next chunk: ``[tokens, layers, hidden]`` never exists
 for more than a chunk. ``finish`` turns the sums into ``layers.json`` (``rundir.layers``): the
 floor is the identity setting's curve (float32 rollout against float32 training) when the scan
-has one, else ``NOMINAL_FLOOR``, and is named as such.
+has one, else ``NOMINAL_FLOOR``, and is named as such; the identity setting's own curve is judged
+against ``NOMINAL_FLOOR`` (``OWN_FLOOR``).
 
 Only the own-routes settings (``--routing-replay none``) are compared: the training side's hidden
 states are computed with the model's own routes.
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 CHUNK = 4  # sequences captured, compared and reduced at a time
 IDENTITY = Setting(RolloutSetting("float32"), "float32")  # the floor's comparison
+OWN_FLOOR = "nominal float32 rounding (this setting is the others' floor)"
 
 
 @dataclass
@@ -331,7 +333,12 @@ def finish(
     label = f"measured: {IDENTITY.name}" if source == "measured" else "nominal float32 rounding"
     settings = {}
     for setting, sums in found.items():
-        entry = _entry(sums, identity, label, offsets.get(setting, 0))
+        # the identity setting is the others' floor: its own curve is judged against float32
+        # rounding (against itself nothing could ever diverge, a broken float32 kernel included)
+        own = setting == IDENTITY
+        entry = _entry(
+            sums, None if own else identity, OWN_FLOOR if own else label, offsets.get(setting, 0)
+        )
         if routes and setting in routes:
             mark_routing(entry, routing_flips(*routes[setting], sums.stream.layers))
         settings[setting.name] = entry

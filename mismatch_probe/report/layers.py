@@ -152,7 +152,9 @@ def write_plot(data: dict[str, Any], plots_dir: Path) -> Path | None:
             layers, means = [*layers, logits_at], [*means, max(entry["logits"]["rel"], 1e-12)]
         style = "--" if name.removesuffix(" (no engine)") in views else "-"
         ax.plot(layers, means, style, marker="o", label=name)
-    first = next(iter(data["settings"].values()))
+    every = list(data["settings"].values())  # the floor the settings are judged against
+    same = [e for e in every if e.get("floor_source") == data.get("floor_source")]
+    first = (same or every)[0]
     layers = [row["layer"] for row in first["layers"]]
     ax.plot(layers, first["floor"], ":", color="grey", label="floor")
     ax.plot(layers, [10 * f for f in first["floor"]], ":", color="black", label="10x floor")
