@@ -258,7 +258,8 @@ def test_scan_writes_layers_json(scanned: tuple[Path, int, str]) -> None:
     # the identity setting is the others' floor: itself judged against float32 rounding
     assert entry["floor_source"] == OWN_FLOOR and logits["floor"] == NOMINAL_FLOOR
     assert logits["rel"] < REORDER_ULPS * EPS["float32"] * (len(entry["layers"]) + 1)
-    assert "attention output" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "attention output" in report and "this setting is the others' floor" in report
 
 
 def test_probe_layers_on_an_existing_scan(

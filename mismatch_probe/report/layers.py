@@ -83,7 +83,13 @@ def markdown_section(data: dict[str, Any], plot: Path | None, base: Path) -> str
         return ""
     lines = ["## Layers", "", escape(NOTE), ""]
     lines += [*table(HEADER, summary_rows(data), "lrrrrr"), ""]
-    lines += [f"Floor: {escape(str(data.get('floor_source', '?')))}.", ""]
+    source = str(data.get("floor_source", "?"))
+    own = [  # the identity setting: the others' floor, itself judged against float32 rounding
+        f"{name}: {entry['floor_source']}"
+        for name, entry in data["settings"].items()
+        if entry.get("floor_source", source) != source
+    ]
+    lines += [f"Floor: {escape('; '.join([source, *own]))}.", ""]
     for name, entry in data["settings"].items():  # MoE: where the sides routed differently
         if "routing_flip_layers" in entry:
             marked = ", ".join(map(str, entry["routing_flip_layers"])) or "none"
