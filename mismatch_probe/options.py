@@ -512,8 +512,9 @@ LayersOpt = Annotated[
         metavar="",
         rich_help_panel=ATTRIBUTION,
         help="Also compare both sides' residual streams after every decoder layer (engine "
-        "hooks during a prefill of the scanned ids against transformers' hidden states): "
-        "layers.json with each setting's first_divergent_layer. Needs eager mode.",
+        "hooks during a prefill of the scanned ids against transformers' hidden states), "
+        "each layer's attention and MLP outputs and the sampled tokens' logits: layers.json "
+        "with each setting's first_divergent_layer. Needs eager mode.",
     ),
 ]
 

@@ -13,9 +13,11 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.layers import (
     NOMINAL_FLOOR,
     LayerSums,
+    LogitSums,
     curve,
     first_divergent_layer,
     largest_growth,
+    logit_point,
     mark_routing,
     routing_flips,
 )
@@ -96,3 +98,40 @@ def test_routing_flips_marked_per_layer(tmp_path: Path) -> None:
     assert entry["routing_flip_layers"] == [1] and entry["layers"][1]["routing_flips"] == 1
     text = report_layers.markdown_section(data, None, tmp_path)
     assert "other experts at layers 1" in text
+
+
+def test_logit_sums_over_the_sampled_tokens_only() -> None:
+    """Positions before ``start`` (the prompt's next tokens) are not counted; ``rel`` is the
+    RMS-relative difference over the sampled tokens; the worst token is named by its position
+    in prompt + response."""
+    train = np.array([5.0, -3.0, 2.0, 4.0], np.float32)  # logits of tokens 1..4
+    engine = train.copy()
+    engine[0] += 100.0  # a prompt token's next-token logit: not sampled
+    engine[3] += 0.5
+    sums = LogitSums()
+    sums.add(engine, train, sequence=7, start=2)
+    assert sums.tokens == 2
+    np.testing.assert_allclose(sums.rel(), 0.5 / np.sqrt(4.0 + 16.0), rtol=1e-12)
+    point = logit_point(sums, 1e-3)
+    assert point["divergent"] and point["max_abs"] == 0.5 and point["mean_abs"] == 0.25
+    assert point["worst_tokens"][0] == {"sequence": 7, "position": 4, "abs": 0.5}
+    assert not logit_point(sums, 0.1)["divergent"]
+
+
+def test_parts_and_logits_in_the_report(tmp_path: Path) -> None:
+    data = _data()
+    entry = data["settings"]["rollout=bf16 | train=fp32"]
+    entry["parts"] = {"attention": curve(_sums([1e-7, 1e-7]), None, "n", final_norm=False),
+                      "mlp": curve(_sums([1e-7, 1e-2]), None, "n", final_norm=False)}  # fmt: skip
+    sums = LogitSums()
+    sums.add(np.array([1.0, 2.2]), np.array([1.0, 2.0]), 0, 0)
+    entry["logits"] = logit_point(sums, 1e-6)
+    rows = report_layers.summary_rows(data)
+    names = [row[0] for row in rows]
+    name = "rollout=bf16 \\| train=fp32"
+    assert names[:3] == [name, f"{name} · attention output", f"{name} · MLP output"]
+    assert rows[0][-1] == "8.94e-02 (diverges)" and rows[1][1] == "none" and rows[2][1] == "1"
+    assert not entry["parts"]["mlp"]["layers"][-1]["after_final_norm"]
+    assert report_layers.write_plot(data, tmp_path / "plots") is not None
+    write_layers(tmp_path, data)
+    assert read_layers(tmp_path)["settings"]["rollout=bf16 | train=fp32"]["logits"]["rel"] > 0

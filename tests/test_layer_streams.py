@@ -32,12 +32,15 @@ from mismatch_probe.engine import layers as engine_layers
 from mismatch_probe.metrics.layers import (
     DIVERGENCE_FACTOR,
     NOMINAL_FLOOR,
+    LayerComparison,
     LayerSums,
     first_divergent_layer,
     floor_of,
+    logit_floor,
 )
+from mismatch_probe.pipeline.layers import OWN_FLOOR
 from mismatch_probe.training import rescore
-from mismatch_probe.training.layers import hidden_streams
+from mismatch_probe.training.layers import hidden_streams, layer_parts
 
 from .cli_runner import run_probe_err
 from .conftest import encoded_prompts
@@ -55,7 +58,7 @@ def _scale_norm(layer: int, factor: float, model: Any) -> None:
     weight.data.mul_(factor)
 
 
-def _captured(llm: Any, ids: list[list[int]]) -> list[np.ndarray]:
+def _captured(llm: Any, ids: list[list[int]]) -> list[dict[str, np.ndarray]]:
     engine_layers.run_on_model(llm, engine_layers.install)
     try:
         return engine_layers.capture(llm, ids)
@@ -75,13 +78,16 @@ def streams(engines: Any, tiny_model: Path, tiny_tokenizer: Any) -> dict[str, An
         engine_layers.run_on_model(llm, partial(_scale_norm, PERTURBED_LAYER, 1 / SCALE))
     bf16 = _captured(engines.get("bfloat16", "processed"), ids)
     model = rescore.load_model(tiny_model, "float32")
-    train = [hidden_streams(model, seq) for seq in ids]
+    train_all = [layer_parts(model, seq) for seq in ids]
+    assert all(  # layer_parts' stream is hidden_streams'
+        np.array_equal(t["stream"], hidden_streams(model, seq))
+        for t, seq in zip(train_all, ids, strict=True)
+    )
     prompts = encoded_prompts(tiny_tokenizer)[:3]
+    every = {"plain": plain, "perturbed": perturbed, "bf16": bf16, "train": train_all}
     return {
-        "plain": plain,
-        "perturbed": perturbed,
-        "bf16": bf16,
-        "train": train,
+        **{name: [c["stream"] for c in found] for name, found in every.items()},
+        "all": every,
         "prompts": prompts,
     }
 
@@ -152,10 +158,53 @@ def test_precision_view_without_engine(streams: dict[str, Any], tiny_model: Path
 
     views = layers.precision_views(cfg, prep, [run], Timer(), load_model)  # type: ignore[arg-type]
     assert list(views) == ["transformers bfloat16 vs float32"]
-    mean = views["transformers bfloat16 vs float32"].mean_rel()
+    mean = views["transformers bfloat16 vs float32"].stream.mean_rel()
     engine = _sums(streams["bf16"], streams["train"]).mean_rel()
     assert first_divergent_layer(mean, None) == 0
     assert np.all(mean > engine / 10) and np.all(mean < engine * 10)
+
+
+def _compared(name: str, streams: dict[str, Any]) -> LayerComparison:
+    every = streams["all"]
+    sums = LayerComparison.of(every[name][0], every["train"][0])
+    for i, (a, b) in enumerate(zip(every[name], every["train"], strict=True)):
+        sums.add(a, b, i)
+    return sums
+
+
+def test_attention_mlp_and_logits_match_transformers_in_fp32(streams: dict[str, Any]) -> None:
+    """Each layer's attention and MLP outputs (hooks on vLLM's and transformers' ``self_attn``
+    and ``mlp``) and the next-token logits (the engine's logits processor, transformers' LM
+    head) agree in float32 to rounding; another layer's output is far off."""
+    layers = streams["train"][0].shape[1]
+    bound = REORDER_ULPS * EPS["float32"] * (layers + 1)
+    for engine, train in zip(streams["all"]["plain"], streams["all"]["train"], strict=True):
+        assert set(engine) == set(train) == {"stream", "attention", "mlp", "logit"}
+        for part in ("attention", "mlp"):
+            assert engine[part].shape == train[part].shape == train["stream"].shape
+            diff = np.linalg.norm(engine[part] - train[part], axis=-1)
+            assert (diff / np.linalg.norm(train[part], axis=-1)).max() < bound
+            swapped = np.linalg.norm(engine[part][:, 0] - train[part][:, 1], axis=-1)
+            assert (swapped / np.linalg.norm(train[part][:, 1], axis=-1)).min() > 1e-2
+        assert engine["logit"].shape == (len(train["stream"]) - 1,)
+        scale = np.abs(train["logit"]).max()
+        assert scale > 0 and np.abs(engine["logit"] - train["logit"]).max() < bound * scale
+    sums = _compared("plain", streams)
+    assert set(sums.parts) == {"attention", "mlp"} and sums.logits is not None
+    assert sums.logits.rel() < bound
+
+
+def test_perturbed_norm_moves_the_mlp_not_the_attention(streams: dict[str, Any]) -> None:
+    """The post-attention norm of layer 1 feeds that layer's MLP, not its attention: the MLP
+    curve diverges first at layer 1, the attention curve nowhere; the logits diverge."""
+    plain, moved = _compared("plain", streams), _compared("perturbed", streams)
+    for part, first in (("mlp", PERTURBED_LAYER), ("attention", None)):
+        floor, _ = floor_of(plain.parts[part])
+        assert first_divergent_layer(moved.parts[part].mean_rel(), floor) == first
+    assert plain.logits is not None and moved.logits is not None
+    assert moved.logits.rel() > DIVERGENCE_FACTOR * logit_floor(plain.logits)[0]
+    bf16 = _compared("bf16", streams)
+    assert bf16.logits is not None and bf16.logits.rel() > EPS["bfloat16"] / 4
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +250,16 @@ def test_scan_writes_layers_json(scanned: tuple[Path, int, str]) -> None:
     assert json.loads((out / "metrics.json").read_text())["first_divergent_layer"] is None
     assert (out / "plots" / "layers.png").stat().st_size > 0
     assert "## Layers" in (out / "report.md").read_text()
+    assert set(entry["parts"]) == {"attention", "mlp"}
+    assert entry["parts"]["mlp"]["first_divergent_layer"] is None
+    assert not entry["parts"]["mlp"]["layers"][-1]["after_final_norm"]
+    logits = entry["logits"]
+    assert 0 < logits["tokens"] <= 8 and not logits["divergent"]  # the sampled tokens
+    # the identity setting is the others' floor: itself judged against float32 rounding
+    assert entry["floor_source"] == OWN_FLOOR and logits["floor"] == NOMINAL_FLOOR
+    assert logits["rel"] < REORDER_ULPS * EPS["float32"] * (len(entry["layers"]) + 1)
+    report = (out / "report.md").read_text()
+    assert "attention output" in report and "this setting is the others' floor" in report
 
 
 def test_probe_layers_on_an_existing_scan(
@@ -249,7 +308,12 @@ def test_multiprocess_engine_captures_the_same_streams(
     assert rollout.engine_mode(env) == rollout.MULTIPROCESS
     ids = [list(streams["prompts"][0].token_ids)]
     with rollout.engine(kwargs, env) as llm:
-        (got,) = _captured(llm, ids)
+        (captured,) = _captured(llm, ids)
+    got = captured["stream"]
     bound = REORDER_ULPS * EPS["float32"] * (got.shape[1] + 1)
     rel = np.linalg.norm(got - streams["plain"][0], axis=-1)
     assert (rel / np.linalg.norm(streams["plain"][0], axis=-1)).max() < bound
+    plain = streams["all"]["plain"][0]
+    assert set(captured) == set(plain) == {"stream", "attention", "mlp", "logit"}
+    scale = np.abs(plain["logit"]).max()
+    assert np.abs(captured["logit"] - plain["logit"]).max() < bound * scale

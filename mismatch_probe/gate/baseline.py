@@ -238,12 +238,15 @@ def _step_metrics(run_dir: Path, step: str) -> dict[str, float]:
 
 
 def _metrics(run_dir: Path, setting: str | None) -> dict[str, float]:
-    """The flat metrics of one setting (None: the run's stored metrics, whole store)."""
+    """The flat metrics of one setting (None: the run's stored metrics, whole store), with
+    its ``first_divergent_layer`` when the run has ``layers.json`` (``rundir.layers.gated``)."""
+    from mismatch_probe.rundir.layers import gated
+
     if setting is None:
-        return load_run(run_dir).metrics
+        return {**load_run(run_dir).metrics, **gated(run_dir, None)}
     from mismatch_probe.metrics import compute_metrics
 
-    return compute_metrics(run_dir, setting=setting).flat()
+    return {**compute_metrics(run_dir, setting=setting).flat(), **gated(run_dir, setting)}
 
 
 def _baseline_pairs(

@@ -6,6 +6,10 @@ does not have) raises ``ProbeError`` (exit 2 at the CLI); the caller exits 1 whe
 fails. Metric names are the flat keys of ``metrics.json`` (``probe metrics --json``).
 ``baseline`` runs these bounds beside the growth bounds against a baseline run;
 ``report.gate`` renders them.
+
+A few keys are gated from one side only (``ONE_SIDED``): ``first_divergent_layer`` (``probe
+scan --layers``) takes ``--min`` (``--min first_divergent_layer=2`` fails when layer 0 or 1
+diverges); a run where no layer diverges (``null``) has it at ``inf`` and passes.
 """
 
 from __future__ import annotations
@@ -50,6 +54,41 @@ def parse_bounds(maxima: list[str], minima: list[str]) -> tuple[Bound, ...]:
     return tuple(bounds)
 
 
+# Keys gated from one side only: the bound that makes sense, and why (a later first divergent
+# layer is better, no divergent layer best: --max or a growth bound would gate the wrong way).
+ONE_SIDED: dict[str, tuple[str, str]] = {
+    "first_divergent_layer": (
+        "min",
+        "a later first divergence is better: --min first_divergent_layer=N fails when a layer "
+        "below N diverges (no divergent layer passes)",
+    ),
+}
+# Keys only some runs have, and what writes them (said when the run lacks one).
+WRITTEN_BY = {
+    "first_divergent_layer": "the run has no layers.json for it: probe scan --layers "
+    "(or probe layers RUN_DIR) writes one",
+}
+
+
+def check_sides(bounds: tuple[Bound, ...], increases: tuple[Increase, ...]) -> None:
+    """Refuse a bound on a ``ONE_SIDED`` key from its wrong side, or a growth bound on one.
+
+    Raises:
+        ProbeError: ``--max first_divergent_layer=...`` or ``--max-increase`` of it.
+    """
+    wrong = [(f"--{b.kind}", b.metric) for b in bounds if b.metric in ONE_SIDED]
+    wrong = [(opt, m) for opt, m in wrong if opt != f"--{ONE_SIDED[m][0]}"]
+    wrong += [("--max-increase", i.metric) for i in increases if i.metric in ONE_SIDED]
+    if wrong:
+        option, metric = wrong[0]
+        raise ProbeError(f"{option} {metric}: {ONE_SIDED[metric][1]}")
+
+
+def shown(value: float) -> str:
+    """A gated value as written: ``none`` for ``inf`` (no layer diverges), else ``.6g``."""
+    return "none" if value == math.inf else f"{value:.6g}"
+
+
 def did_you_mean(metric: str, metrics: dict[str, float]) -> str:
     """`` (did you mean k3_kl?)`` with the closest metric names, or ``""``."""
     close = difflib.get_close_matches(metric, list(metrics), n=3)
@@ -59,6 +98,8 @@ def did_you_mean(metric: str, metrics: dict[str, float]) -> str:
 def check_names(bounds: tuple[Bound, ...], metrics: dict[str, float]) -> None:
     """Fail on the first bound whose metric the run does not have, suggesting close names."""
     for b in bounds:
+        if b.metric not in metrics and b.metric in WRITTEN_BY:
+            raise ProbeError(f"--{b.kind} {b.metric}: {WRITTEN_BY[b.metric]}")
         if b.metric not in metrics:
             raise ProbeError(
                 f"--{b.kind} {b.metric}: unknown metric{did_you_mean(b.metric, metrics)}"

@@ -3,7 +3,8 @@
 The config owns its rules: ``from_options`` parses every ``--max`` / ``--min`` /
 ``--max-increase`` and ``--accept`` and checks how the options combine (``--baseline`` needs
 ``--max-increase`` and the reverse, ``--step`` does not take a baseline, the confidence level
-lies in (0, 1), ``--accept`` names a check); the gate (``baseline.gate``) then only evaluates.
+lies in (0, 1), ``--accept`` names a check, a one-sided key is bounded from its side); the gate
+(``baseline.gate``) then only evaluates.
 What needs the runs themselves (a metric or a setting the run lacks, runs that measure different
 things) is checked when they are read.
 """
@@ -14,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.gate.bounds import Bound, Increase, parse_bounds, parse_increase
+from mismatch_probe.gate.bounds import (
+    Bound,
+    Increase,
+    check_sides,
+    parse_bounds,
+    parse_increase,
+)
 from mismatch_probe.metrics.integrity import CHECKS
 
 
@@ -62,6 +69,7 @@ class CheckConfig:
             raise ProbeError(
                 "no bound given: use --max METRIC=VALUE and/or --min METRIC=VALUE (or --exact)"
             )
+        check_sides(self.bounds, self.increases)
         if self.step is not None and self.baseline is not None:
             raise ProbeError(
                 "--step checks one training step's bounds; it does not take --baseline"

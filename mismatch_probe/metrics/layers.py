@@ -27,6 +27,23 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)
 NOMINAL_FLOOR = 1e-6
 DIVERGENCE_FACTOR = 10.0  # a layer diverges at 10x the floor (issue 36)
 WORST = 5  # worst tokens kept per layer
+# The parts of a decoder layer compared beside its stream, where every layer of both sides has
+# them, by the module names vLLM's and transformers' decoder layers share: the attention output
+# (after its output projection) and the MLP (or MoE block) output, each before the residual add.
+PARTS: dict[str, tuple[str, ...]] = {
+    "attention": ("self_attn",),
+    "mlp": ("mlp", "block_sparse_moe"),
+}
+
+
+def part_modules(layer: Any) -> dict[str, Any]:
+    """The ``PARTS`` modules a decoder layer has (by the first of its names it holds)."""
+    found = {}
+    for part, names in PARTS.items():
+        module = next((getattr(layer, n) for n in names if hasattr(layer, n)), None)
+        if module is not None:
+            found[part] = module
+    return found
 
 
 @dataclass
@@ -84,6 +101,77 @@ class LayerSums:
         return self.rel_sum / max(self.tokens, 1)
 
 
+@dataclass
+class LogitSums:
+    """Running sums of the sampled tokens' logits, one side against the other (float64): the
+    RMS-relative difference ``sqrt(sum (a - b)^2 / sum b^2)`` over every token, the mean and
+    max absolute difference, the worst tokens."""
+
+    tokens: int = 0
+    sq_diff: float = 0.0
+    sq_ref: float = 0.0
+    abs_sum: float = 0.0
+    abs_max: float = 0.0
+    dot: float = 0.0
+    sq_other: float = 0.0
+    worst: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def add(self, other: np.ndarray, reference: np.ndarray, sequence: int, start: int) -> None:
+        """One sequence's ``[T - 1]`` next-token logits, from position ``start`` on (the
+        positions whose next token was sampled: the response)."""
+        a = other.astype(np.float64)[start:]
+        b = reference.astype(np.float64)[start:]
+        if a.shape != b.shape:
+            raise ValueError(f"logits {other.shape} and {reference.shape}")
+        diff = np.abs(a - b)
+        self.tokens += diff.size
+        self.sq_diff += float((diff**2).sum())
+        self.sq_ref += float((b**2).sum())
+        self.sq_other += float((a**2).sum())
+        self.dot += float((a * b).sum())
+        self.abs_sum += float(diff.sum())
+        self.abs_max = max(self.abs_max, float(diff.max(initial=0.0)))
+        for pos in np.argsort(diff)[-WORST:]:
+            item = (float(diff[pos]), sequence, int(pos) + start + 1)  # the sampled token's
+            (heapq.heappush if len(self.worst) < WORST else heapq.heappushpop)(self.worst, item)
+
+    def rel(self) -> float:
+        return float(np.sqrt(self.sq_diff / max(self.sq_ref, float(np.finfo(np.float64).tiny))))
+
+
+@dataclass
+class LayerComparison:
+    """One comparison of two sides, layer by layer: the stream's sums, each part's both sides
+    captured (``PARTS``) and the sampled tokens' logits (None when a side has none)."""
+
+    stream: LayerSums
+    parts: dict[str, LayerSums] = field(default_factory=dict)
+    logits: LogitSums | None = None
+
+    @classmethod
+    def of(cls, other: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> LayerComparison:
+        """Empty sums shaped by one sequence's captures (``stream``, parts, ``logit``)."""
+        layers = reference["stream"].shape[1]
+        parts = {p: LayerSums(layers) for p in PARTS if p in other and p in reference}
+        logits = LogitSums() if "logit" in other and "logit" in reference else None
+        return cls(LayerSums(layers), parts, logits)
+
+    def add(
+        self,
+        other: dict[str, np.ndarray],
+        reference: dict[str, np.ndarray],
+        sequence: int,
+        start: int = 0,
+    ) -> None:
+        """One sequence's captures (``start``: its first position whose next token was
+        sampled, for the logits)."""
+        self.stream.add(other["stream"], reference["stream"], sequence)
+        for part, sums in self.parts.items():
+            sums.add(other[part], reference[part], sequence)
+        if self.logits is not None:
+            self.logits.add(other["logit"], reference["logit"], sequence, start)
+
+
 def floor_of(reference: LayerSums | None) -> tuple[np.ndarray | None, str]:
     """The per-layer floor: the mean relative difference of an fp32/fp32 comparison (never
     below float32 epsilon), and where it came from; ``(None, "nominal")`` without one."""
@@ -110,10 +198,13 @@ def largest_growth(mean_rel: np.ndarray) -> int | None:
     return int(np.argmax(mean_rel[1:] / prev)) + 1
 
 
-def curve(sums: LayerSums, floor: np.ndarray | None, floor_source: str) -> dict[str, Any]:
+def curve(
+    sums: LayerSums, floor: np.ndarray | None, floor_source: str, final_norm: bool = True
+) -> dict[str, Any]:
     """What ``layers.json`` holds of one comparison: per layer its mean and max relative
     difference, mean cosine and worst tokens; the floor; ``first_divergent_layer`` and
-    ``largest_growth_layer``."""
+    ``largest_growth_layer`` (``final_norm``: the last layer is taken after the final norm, as
+    the stream; a part's is not)."""
     mean = sums.mean_rel()
     rows = []
     for layer in range(sums.layers):
@@ -121,7 +212,7 @@ def curve(sums: LayerSums, floor: np.ndarray | None, floor_source: str) -> dict[
         rows.append(
             {
                 "layer": layer,
-                "after_final_norm": layer == sums.layers - 1,
+                "after_final_norm": final_norm and layer == sums.layers - 1,
                 "mean_rel": float(mean[layer]),
                 "max_rel": float(sums.rel_max[layer]),
                 "mean_cosine": float(sums.cos_sum[layer] / max(sums.tokens, 1)),
@@ -139,6 +230,34 @@ def curve(sums: LayerSums, floor: np.ndarray | None, floor_source: str) -> dict[
         "floor_source": floor_source,
         "first_divergent_layer": first_divergent_layer(mean, floor),
         "largest_growth_layer": largest_growth(mean),
+    }
+
+
+def logit_floor(reference: LogitSums | None) -> tuple[float, str]:
+    """The floor of the sampled tokens' logits: the identity comparison's RMS-relative
+    difference (never below float32 epsilon), else ``NOMINAL_FLOOR``."""
+    if reference is None or reference.tokens == 0:
+        return NOMINAL_FLOOR, "nominal"
+    return max(reference.rel(), FLOAT32_EPS), "measured"
+
+
+def logit_point(sums: LogitSums, floor: float) -> dict[str, Any]:
+    """The last point of the curve: the sampled tokens' logits (``layers.json``'s
+    ``logits``): their RMS-relative difference and cosine over every sampled token, the mean
+    and max absolute difference, the worst tokens; ``divergent`` above 10x ``floor``."""
+    norm = np.sqrt(max(sums.sq_other, 0.0) * max(sums.sq_ref, 0.0))
+    rel = sums.rel()
+    return {
+        "tokens": sums.tokens,
+        "rel": rel,
+        "cosine": float(sums.dot / norm) if norm > 0 else 1.0,
+        "mean_abs": sums.abs_sum / max(sums.tokens, 1),
+        "max_abs": sums.abs_max,
+        "floor": floor,
+        "divergent": bool(rel > DIVERGENCE_FACTOR * floor),
+        "worst_tokens": [
+            {"sequence": s, "position": p, "abs": float(v)} for v, s, p in sorted(sums.worst)[::-1]
+        ],
     }
 
 

@@ -2,15 +2,17 @@
 
 While each rollout setting's engine is up (``engine_step``), forward hooks on vLLM's decoder
 layers (``engine.layers``) capture the residual stream of the first ``--layers-sequences``
-sequences (all without it) during a prefill of their token ids (prompt + response), a chunk of
-``CHUNK`` sequences at a time, each chunk spilled to a temporary ``.npy`` file (the engine and the
+sequences (all without it) during a prefill of their token ids (prompt + response): the stream,
+each layer's attention and MLP outputs and the sampled tokens' logits, a chunk of ``CHUNK``
+sequences at a time, each sequence spilled to a temporary ``.npz`` file (the engine and the
 training model never share memory). While each training model is loaded (``train_step``, called
 by the rescoring stage), each chunk is read back, the training side's hidden states computed for
 the same ids (``training.layers``), both compared and reduced to per-layer sums
 (``metrics.layers.LayerSums``) before the next chunk: ``[tokens, layers, hidden]`` never exists
 for more than a chunk. ``finish`` turns the sums into ``layers.json`` (``rundir.layers``): the
 floor is the identity setting's curve (float32 rollout against float32 training) when the scan
-has one, else ``NOMINAL_FLOOR``, and is named as such.
+has one, else ``NOMINAL_FLOOR``, and is named as such; the identity setting's own curve is judged
+against ``NOMINAL_FLOOR`` (``OWN_FLOOR``).
 
 Only the own-routes settings (``--routing-replay none``) are compared: the training side's hidden
 states are computed with the model's own routes.
@@ -29,7 +31,16 @@ import numpy as np
 
 from mismatch_probe.engine import layers as engine_layers
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.metrics.layers import LayerSums, curve, floor_of, mark_routing, routing_flips
+from mismatch_probe.metrics.layers import (
+    LayerComparison,
+    LayerSums,
+    curve,
+    floor_of,
+    logit_floor,
+    logit_point,
+    mark_routing,
+    routing_flips,
+)
 from mismatch_probe.settings import RolloutSetting, Setting
 
 if TYPE_CHECKING:
@@ -40,12 +51,14 @@ if TYPE_CHECKING:
 
 CHUNK = 4  # sequences captured, compared and reduced at a time
 IDENTITY = Setting(RolloutSetting("float32"), "float32")  # the floor's comparison
+OWN_FLOOR = "nominal float32 rounding (this setting is the others' floor)"
 
 
 @dataclass
 class EngineLayers:
-    """One rollout setting's captured streams: chunk files of ``[T, L, H]`` arrays, one per
-    sequence, and the rollout index of each sequence."""
+    """One rollout setting's captures: chunk files (``.npz``: the ``stream``, each part and the
+    next-token ``logit`` arrays of ``engine.layers.capture``), one per sequence, and the
+    rollout index of each sequence."""
 
     folder: Path
     chunks: list[list[tuple[int, Path]]] = field(default_factory=list)
@@ -114,10 +127,8 @@ def capture_run(llm: Any, rollouts: Sequence[Rollout], indices: Sequence[int]) -
             chunk = indices[start : start + CHUNK]
             streams = engine_layers.capture(llm, [token_ids(rollouts[i]) for i in chunk])
             files = []
-            for i, stream in zip(chunk, streams, strict=True):
-                path = found.folder / f"{i}.npy"
-                np.save(path, stream)
-                files.append((i, path))
+            for i, arrays in zip(chunk, streams, strict=True):
+                files.append((i, _spill(found.folder, i, arrays)))
             found.chunks.append(files)
     except BaseException:
         found.discard()
@@ -127,25 +138,43 @@ def capture_run(llm: Any, rollouts: Sequence[Rollout], indices: Sequence[int]) -
     return found
 
 
-def compare_run(model: Any, rollouts: Sequence[Rollout], found: EngineLayers) -> LayerSums:
-    """The engine's streams of ``found`` against ``model``'s hidden states of the same ids,
-    chunk by chunk, reduced to per-layer sums."""
-    from mismatch_probe.training.layers import hidden_streams
+def _spill(folder: Path, index: int, arrays: dict[str, np.ndarray]) -> Path:
+    path = folder / f"{index}.npz"
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    return path
 
-    sums: LayerSums | None = None
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {name: data[name] for name in data.files}
+
+
+def sampled_from(r: Rollout) -> int:
+    """The first position whose next token was sampled (the response's first token follows
+    the prompt's last position)."""
+    return max(len(r.prompt_ids) - 1, 0)
+
+
+def compare_run(model: Any, rollouts: Sequence[Rollout], found: EngineLayers) -> LayerComparison:
+    """The engine's captures of ``found`` against ``model``'s of the same ids, chunk by chunk,
+    reduced to per-layer sums: the stream, each part both sides have, the sampled tokens'
+    logits (``metrics.layers.LayerComparison``)."""
+    from mismatch_probe.training.layers import layer_parts
+
+    sums: LayerComparison | None = None
     for chunk in found.chunks:
         for i, path in chunk:
-            engine = np.load(path)
-            train = hidden_streams(model, token_ids(rollouts[i]))
-            if sums is None:
-                sums = LayerSums(engine.shape[1])
-            if engine.shape != train.shape:
+            engine = _read(path)
+            train = layer_parts(model, token_ids(rollouts[i]))
+            if engine["stream"].shape != train["stream"].shape:
                 raise ProbeError(
-                    f"--layers: engine streams {engine.shape}, training {train.shape} "
-                    "(the two sides' decoder layers differ)"
+                    f"--layers: engine streams {engine['stream'].shape}, training "
+                    f"{train['stream'].shape} (the two sides' decoder layers differ)"
                 )
-            sums.add(engine, train, i)
-    return sums if sums is not None else LayerSums(0)
+            if sums is None:
+                sums = LayerComparison.of(engine, train)
+            sums.add(engine, train, i, sampled_from(rollouts[i]))
+    return sums if sums is not None else LayerComparison(LayerSums(0))
 
 
 def train_step(
@@ -153,7 +182,7 @@ def train_step(
     model: Any,
     train_dtype: str,
     runs: Sequence[RolloutRun],
-    found: dict[Setting, LayerSums],
+    found: dict[Setting, LayerComparison],
     timer: Timer,
 ) -> None:
     """While the training model of ``train_dtype`` is loaded: every own-routes setting of it
@@ -173,7 +202,7 @@ def precision_views(
     runs: Sequence[RolloutRun],
     timer: Timer,
     load_model: Callable[..., Any],
-) -> dict[str, LayerSums]:
+) -> dict[str, LayerComparison]:
     """The training side alone at each lower precision of the scan (its rollout and training
     dtypes other than float32) against float32, on the first rollout setting's sequences: the
     precision's own curve, no engine (timed as ``layers_views``; {} without ``--layers`` or
@@ -184,7 +213,7 @@ def precision_views(
         load_model: the scan's loader of training-side models (``rescoring.load_model``).
 
     Returns:
-        ``"transformers <dtype> vs float32"`` -> per-layer sums.
+        ``"transformers <dtype> vs float32"`` -> its per-layer sums.
     """
     done = [r for r in runs if r.rollouts and r.layers is not None]
     lower = [d for d in dict.fromkeys([*cfg.rollout_dtypes, *cfg.train_dtypes]) if d != "float32"]
@@ -192,7 +221,7 @@ def precision_views(
         return {}
     rollouts = done[0].rollouts
     indices = picked(cfg, rollouts)
-    views: dict[str, LayerSums] = {}
+    views: dict[str, LayerComparison] = {}
     with timer("layers_views"):
         spilled: dict[str, EngineLayers] = {}
         try:
@@ -215,17 +244,16 @@ def precision_views(
 
 
 def capture_train(model: Any, rollouts: Sequence[Rollout], indices: Sequence[int]) -> EngineLayers:
-    """A training model's streams of ``indices``, spilled chunk by chunk like the engine's."""
-    from mismatch_probe.training.layers import hidden_streams
+    """A training model's captures of ``indices``, spilled chunk by chunk like the engine's."""
+    from mismatch_probe.training.layers import layer_parts
 
     found = EngineLayers(Path(tempfile.mkdtemp(prefix="probe-layers-")))
     try:
         for start in range(0, len(indices), CHUNK):
             files = []
             for i in indices[start : start + CHUNK]:
-                path = found.folder / f"{i}.npy"
-                np.save(path, hidden_streams(model, token_ids(rollouts[i])))
-                files.append((i, path))
+                arrays = layer_parts(model, token_ids(rollouts[i]))
+                files.append((i, _spill(found.folder, i, arrays)))
             found.chunks.append(files)
     except BaseException:
         found.discard()
@@ -234,7 +262,7 @@ def capture_train(model: Any, rollouts: Sequence[Rollout], indices: Sequence[int
 
 
 def compared_routes(
-    cfg: ScanConfig, scored: dict[Setting, Any], found: dict[Setting, LayerSums]
+    cfg: ScanConfig, scored: dict[Setting, Any], found: dict[Setting, LayerComparison]
 ) -> dict[Setting, tuple[list[Any], list[Any]]]:
     """MoE: each compared setting's engine and training routes of its compared sequences
     ({} for a dense model)."""
@@ -255,38 +283,66 @@ def discard(runs: Sequence[RolloutRun]) -> None:
             run.layers.discard()
 
 
+def _entry(
+    sums: LayerComparison,
+    identity: LayerComparison | None,
+    label: str,
+    offset: int,
+) -> dict[str, Any]:
+    """One comparison's ``layers.json`` entry: the stream's curve against the identity's floor,
+    each part's curve against the identity's same part (``parts``), the sampled tokens' logits
+    as the last point (``logits``); worst tokens by ``seq_id`` (``offset`` + the index)."""
+    floor, _ = floor_of(None if identity is None else identity.stream)
+    entry = curve(sums.stream, floor, label)
+    parts = {}
+    for part, part_sums in sums.parts.items():
+        ref = None if identity is None else identity.parts.get(part)
+        parts[part] = curve(part_sums, floor_of(ref)[0], label, final_norm=False)
+    if parts:
+        entry["parts"] = parts
+    if sums.logits is not None and sums.logits.tokens:
+        ref_logits = None if identity is None else identity.logits
+        entry["logits"] = logit_point(sums.logits, logit_floor(ref_logits)[0])
+    for rows in (entry["layers"], *(p["layers"] for p in parts.values())):
+        for row in rows:
+            for worst in row["worst_tokens"]:
+                worst["seq_id"] = offset + worst.pop("sequence")
+    for worst in entry.get("logits", {}).get("worst_tokens", []):
+        worst["seq_id"] = offset + worst.pop("sequence")
+    return entry
+
+
 def finish(
-    found: dict[Setting, LayerSums],
+    found: dict[Setting, LayerComparison],
     offsets: dict[Setting, int],
-    views: dict[str, LayerSums] | None = None,
+    views: dict[str, LayerComparison] | None = None,
     view_offset: int = 0,
     routes: dict[Setting, tuple[list[Any], list[Any]]] | None = None,
 ) -> dict[str, Any]:
     """``layers.json``'s content ({} without ``--layers``): per setting its curve against the
-    floor (the identity setting's, when it ran); the training-side precision views (``views``,
-    their sequences numbered from ``view_offset``) against the same floor. For an MoE model
-    (``routes``: each setting's engine and training routes of the compared sequences) the
-    layers where the two sides routed a token differently are marked (``mark_routing``)."""
+    floor (the identity setting's, when it ran), its attention and MLP curves (``parts``) and
+    the sampled tokens' logits (``logits``, the curve's last point); the training-side
+    precision views (``views``, their sequences numbered from ``view_offset``) against the same
+    floor. For an MoE model (``routes``: each setting's engine and training routes of the
+    compared sequences) the layers where the two sides routed a token differently are marked
+    (``mark_routing``)."""
     if not found:
         return {}
-    floor, source = floor_of(found.get(IDENTITY))
+    identity = found.get(IDENTITY)
+    _, source = floor_of(None if identity is None else identity.stream)
     label = f"measured: {IDENTITY.name}" if source == "measured" else "nominal float32 rounding"
     settings = {}
     for setting, sums in found.items():
-        entry = curve(sums, floor, label)
-        for row in entry["layers"]:
-            for worst in row["worst_tokens"]:
-                worst["seq_id"] = offsets.get(setting, 0) + worst.pop("sequence")
+        # the identity setting is the others' floor: its own curve is judged against float32
+        # rounding (against itself nothing could ever diverge, a broken float32 kernel included)
+        own = setting == IDENTITY
+        entry = _entry(
+            sums, None if own else identity, OWN_FLOOR if own else label, offsets.get(setting, 0)
+        )
         if routes and setting in routes:
-            mark_routing(entry, routing_flips(*routes[setting], sums.layers))
+            mark_routing(entry, routing_flips(*routes[setting], sums.stream.layers))
         settings[setting.name] = entry
     out: dict[str, Any] = {"floor_source": label, "settings": settings}
     if views:
-        out["views"] = {}
-        for name, sums in views.items():
-            entry = curve(sums, floor, label)
-            for row in entry["layers"]:
-                for worst in row["worst_tokens"]:
-                    worst["seq_id"] = view_offset + worst.pop("sequence")
-            out["views"][name] = entry
+        out["views"] = {name: _entry(s, identity, label, view_offset) for name, s in views.items()}
     return out

@@ -239,7 +239,7 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         top = [("Skipped", [f"**{escape(line)}**", "", *skipped_markdown(ctx.skipped, "####")])]
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
     head += decisions.recommendation_md(ctx.tables, ctx.setting)
-    head += layers.comment_lines(ctx.layer_curve())  # --layers
+    head += layers.comment_lines(ctx.layer_curve(), ctx.layers)  # --layers
     parts = [
         ("Header", head),
         *top,

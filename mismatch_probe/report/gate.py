@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mismatch_probe.gate.baseline import Gate, IncreaseResult, ParityResult
-from mismatch_probe.gate.bounds import BoundResult
+from mismatch_probe.gate.bounds import BoundResult, shown
 from mismatch_probe.report.sections import visible
 
 SYMBOL = {"max": ("≤", ">"), "min": ("≥", "<")}  # (holds, fails)
@@ -23,7 +23,8 @@ def result_line(res: BoundResult) -> Text:
     b = res.bound
     ok, bad = SYMBOL[b.kind]
     head = Text("✔ PASS  ", style="green") if res.passed else Text("✘ FAIL  ", style="bold red")
-    head.append(f"{b.metric} = {res.value:.6g} {ok if res.passed else bad} {b.limit:g} ({b.kind})")
+    value = shown(res.value)  # "none": no layer diverges (first_divergent_layer)
+    head.append(f"{b.metric} = {value} {ok if res.passed else bad} {b.limit:g} ({b.kind})")
     if not res.passed:
         times = f", {res.value / b.limit:.3g}× the bound" if b.limit else ""
         head.append(f" by {res.excess:.4g}{times}")

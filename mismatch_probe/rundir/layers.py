@@ -8,6 +8,7 @@ is not what the scan writes.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,15 @@ def first_divergent(path: Path, setting: str | None) -> dict[str, Any]:
         setting = next(iter(found))
     entry = found.get(setting) if setting is not None else None
     return {"first_divergent_layer": entry["first_divergent_layer"]} if entry else {}
+
+
+def gated(path: Path, setting: str | None) -> dict[str, float]:
+    """The layer keys ``probe check`` gates, as numbers: ``first_divergent_layer`` of
+    ``setting`` (as ``first_divergent``), ``inf`` when no layer diverges (``null`` in
+    ``layers.json``: a later first divergence is better, so no divergence passes any
+    ``--min``); {} without ``layers.json``."""
+    found = first_divergent(path, setting)
+    if not found:
+        return {}
+    layer = found["first_divergent_layer"]
+    return {"first_divergent_layer": math.inf if layer is None else float(layer)}
