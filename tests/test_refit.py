@@ -217,16 +217,29 @@ def test_report_and_comment(
 
 
 def test_moe_experts_after_reload(prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A tiny Qwen3-MoE: the fused experts (repacked by the CPU backend) are compared refitted
-    vs fresh as stored. vLLM 0.32's CPU backend: after reload_weights they differ from a fresh
-    engine's and the refit link is large; the audit names every expert tensor, and the
-    checkpoint's per-expert tensors are listed as not compared (their own loader mapping)."""
+    """A tiny Qwen3-MoE: the fused experts (prepacked by the CPU backend) are read back through
+    the inverse of the prepack and placed by the experts' own loader mapping, so the fresh
+    engine on B holds every per-expert checkpoint tensor exactly. vLLM 0.32's CPU backend after
+    reload_weights: ``_setup_kernel`` copies the loaded values in on a weight update but does not
+    re-run the experts' prepack, so the engine stores B's experts unpacked while its kernel
+    reads them as prepacked: the audit names every expert tensor (per checkpoint tensor) as
+    mismatched and as not repacked, and the refit link is large."""
     a, b = _pair(tmp_path_factory.mktemp("moe"), tied=False, arch="qwen3_moe")
     data = run_refit(_config(a, b, tmp_path_factory.mktemp("moe-run"), prompts), None).data
     audit = data["audit"]
+    assert (
+        audit["not_compared_to_checkpoint"] == [] and audit["fresh_vs_checkpoint_mismatched"] == []
+    )
+    assert audit["negative_control"]["named"] and not audit["broken"]
+    assert ".experts." not in audit["negative_control"]["tensor"]
     experts = [n for n in audit["mismatched"] if ".experts." in n]
-    assert experts and all(n.endswith(("w13_weight", "w2_weight")) for n in experts)
+    engine = {n for n in experts if n.endswith(("w13_weight", "w2_weight"))}
+    per_tensor = sorted(set(experts) - engine)
+    assert engine and all(".mlp.experts." in n for n in engine)
+    projections = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    assert {n.rsplit(".", 2)[-2] + ".weight" for n in per_tensor} == set(projections)
+    assert len(per_tensor) == 2 * 8 * 3  # 2 layers, 8 experts, 3 projections: every one named
+    assert audit["experts_not_repacked"] == per_tensor  # B's values, unpacked
     assert not [n for n in audit["mismatched"] if ".experts." not in n]
-    assert audit["not_compared_to_checkpoint"] and audit["negative_control"]["named"]
     assert any(".gate." in row["name"] for row in audit["tensors"])  # the router, read back
     assert data["links"]["refit"]["k3_kl"] > 1e-3

@@ -33,11 +33,19 @@ def gate_refit(data: dict[str, Any], max_link: float = DEFAULT_MAX_LINK) -> Refi
             shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
             failures.append(f"audit: {len(names)} {key} tensor(s): {shown}")
     control = audit.get("negative_control") or {}
-    if audit.get("broken", not control.get("named", False)):
+    if not control.get("named", False):
         failures.append(
             f"audit broken: the negative control ({control.get('tensor') or 'no tensor'}, "
             "perturbed on purpose) was not named as mismatched"
         )
+    fresh = audit.get("fresh_vs_checkpoint_mismatched") or []
+    if fresh:
+        failures.append(
+            f"audit broken: the fresh engine itself differs from the checkpoint in {len(fresh)} "
+            f"tensor(s) by the name mapping ({', '.join(fresh[:3])})"
+        )
+    elif audit.get("broken") and control.get("named", False):
+        failures.append("audit broken (refit.json says so)")
     for name in GATED_LINKS:
         link = data.get("links", {}).get(name)
         if link is None:

@@ -32,7 +32,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import links
 from mismatch_probe.models.checkpoint import check_weights
 from mismatch_probe.prompts import Prompt, encode_prompts, load_prompts
-from mismatch_probe.report.refit import refit_markdown
+from mismatch_probe.report.refit import write_refit_reports
 from mismatch_probe.sampling import SamplingSpec
 from mismatch_probe.settings import RolloutSetting
 
@@ -205,6 +205,7 @@ def run_refit(
             do_push(llm, cfg.to_ckpt)
             timings["push"] = time.perf_counter() - push_start
             refitted = refit.effective_weights(llm)
+            stored = refit.stored_experts(llm)
             warm = Side.of(refit.score_cached(llm, sequences))
             salted = Side.of(refit.score_cached(llm, sequences, salt=f"weights-{version}"))
             llm.reset_prefix_cache()
@@ -242,7 +243,7 @@ def run_refit(
             "salted_cached_tokens": salted.cached,
             "reset_cached_tokens": reset.cached,
         },
-        "audit": _audit(refitted, fresh.weights, perturbed, layout, cfg.to_ckpt, control),
+        "audit": _audit(refitted, fresh.weights, perturbed, layout, cfg.to_ckpt, control, stored),
         "links": {
             name: links.compare(sides[low].scores, sides[up].scores)
             for name, (low, up) in LINKS.items()
@@ -252,7 +253,7 @@ def run_refit(
     path = cfg.out / store.REFIT_FILE
     store.writable_dir(cfg.out, "--out")
     store.write_json(path, data)
-    store.write_text(cfg.out / store.REPORT_FILE, refit_markdown(data))
+    write_refit_reports(data, cfg.out)
     return RefitResult(data, path, fresh)
 
 
@@ -263,9 +264,14 @@ def _audit(
     layout: refit.Layout,
     checkpoint: Path,
     control: str,
+    stored: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The audit block of refit.json. ``broken``: the negative control was not named, or the
+    fresh engine itself does not hold the checkpoint by the name mapping (the audit's own
+    read-back or mapping is wrong, not the refit)."""
     rows, differ, absent = audit.compare_engines(refitted, fresh)
-    ckpt = audit.compare_checkpoint(refitted, layout, checkpoint)
+    ckpt = audit.compare_checkpoint(refitted, layout, checkpoint, stored)
+    fresh_ckpt = audit.compare_checkpoint(fresh, layout, checkpoint)
     mismatched = sorted(set(differ) | set(ckpt.mismatched))
     named = False
     engine_name = ""
@@ -282,8 +288,10 @@ def _audit(
         "unexpected": ckpt.unexpected,
         "checkpoint_tensors_checked": ckpt.checked,
         "not_compared_to_checkpoint": ckpt.not_compared,
+        "experts_not_repacked": ckpt.not_repacked,
+        "fresh_vs_checkpoint_mismatched": fresh_ckpt.mismatched,
         "negative_control": {"tensor": control, "engine_tensor": engine_name, "named": named},
-        "broken": not named,
+        "broken": not named or bool(fresh_ckpt.mismatched),
     }
 
 

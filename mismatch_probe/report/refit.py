@@ -1,8 +1,10 @@
-"""A refit run rendered: the weight audit and the links (terminal, Markdown, PR comment), and
-``probe check``'s verdict on it. Renders the ``refit.json`` view it is handed."""
+"""A refit run rendered: the weight audit and the links (terminal, Markdown, HTML, PR comment),
+and ``probe check``'s verdict on it. Renders the ``refit.json`` view it is handed (read by
+``rundir.refit``); ``write_refit_reports`` writes ``report.md`` and ``report.html``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
@@ -38,6 +40,18 @@ def _audit_line(audit: dict[str, Any]) -> str:
     )
 
 
+def _expert_note(audit: dict[str, Any]) -> str:
+    """What the audit found about prepacked MoE experts ('' where nothing)."""
+    names = audit.get("experts_not_repacked") or []
+    if not names:
+        return ""
+    return (
+        f"{len(names)} mismatched expert tensor(s) hold the checkpoint's values in the "
+        "checkpoint's layout, not prepacked, while the CPU kernel reads them as prepacked (vLLM "
+        "does not re-run the experts' prepack on a weight update)"
+    )
+
+
 def link_rows(data: dict[str, Any]) -> list[list[str]]:
     """One row per link: name, what it compares, tokens, k3_kl, kl, max |diff|."""
     rows = []
@@ -62,6 +76,9 @@ def render_refit(data: dict[str, Any], console: Any) -> None:
     for key in ("mismatched", "missing", "unexpected"):
         for name in (data.get("audit", {}).get(key) or [])[:10]:
             console.print(f"  {key}: {name}")
+    note = _expert_note(data.get("audit", {}))
+    if note:
+        console.print(f"  {note}")
     grid = Table(*HEADERS)
     for row in link_rows(data):
         grid.add_row(*row)
@@ -90,9 +107,38 @@ def refit_markdown(data: dict[str, Any]) -> str:
     for key in ("mismatched", "missing", "unexpected"):
         names = audit.get(key) or []
         if names:
-            lines += [f"- {key}: " + ", ".join(_code(n) for n in names[:20]), ""]
+            shown = ", ".join(_code(n) for n in names[:20])
+            more = f" (+{len(names) - 20} more, all in refit.json)" if len(names) > 20 else ""
+            lines += [f"- {key}: {shown}{more}", ""]
+    note = _expert_note(audit)
+    if note:
+        lines += [f"{escape(note)}.", ""]
     lines += [*table(HEADERS, link_rows(data), "llrrrr"), ""]
     return "\n".join(lines)
+
+
+def refit_title(data: dict[str, Any]) -> str:
+    return f"Refit report: {data.get('from')} -> {data.get('to')}"
+
+
+def refit_html(data: dict[str, Any]) -> str:
+    """``report.html`` of a refit run: its Markdown section as one self-contained page."""
+    from mismatch_probe.report.html import render_html
+
+    return render_html(refit_markdown(data), Path("."), refit_title(data))
+
+
+def write_refit_reports(data: dict[str, Any], run_dir: Path) -> dict[str, Path]:
+    """``report.md`` and ``report.html`` of the refit view ``data`` into ``run_dir``."""
+    from mismatch_probe import store
+    from mismatch_probe.report.html import write_html
+
+    report = run_dir / store.REPORT_FILE
+    store.write_text(report, refit_markdown(data))
+    return {
+        "report": report,
+        "html": write_html(refit_markdown(data), report, refit_title(data), {}),
+    }
 
 
 def refit_comment(data: dict[str, Any], gate: RefitGate) -> str:
