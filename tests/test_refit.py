@@ -243,3 +243,214 @@ def test_moe_experts_after_reload(prompts: Path, tmp_path_factory: pytest.TempPa
     assert not [n for n in audit["mismatched"] if ".experts." not in n]
     assert any(".gate." in row["name"] for row in audit["tensors"])  # the router, read back
     assert data["links"]["refit"]["k3_kl"] > 1e-3
+
+
+MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+# Helpers of this process that outlive an engine by design (Python's multiprocessing resource
+# tracker, started once for the process): not engine processes.
+HELPERS = ("resource_tracker",)
+
+
+def _new_processes(before: set[int]) -> list[str]:
+    """The processes below this one started since ``before`` (their command lines), helpers
+    left out."""
+    import psutil
+
+    from mismatch_probe.engine.process import descendants
+
+    found = []
+    for pid in set(descendants()) - before:
+        try:
+            line = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
+        except psutil.Error:
+            continue
+        if not any(h in line for h in HELPERS):
+            found.append(line)
+    return found
+
+
+def test_multiprocess_refit(
+    clean: RefitResult,
+    untied: tuple[Path, Path],
+    prompts: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refit in vLLM's multiprocess engine (engine core and worker in their own
+    processes): reload by path through ``collective_rpc``, the read-back and the layout sent as
+    functions (``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for that engine's life), the tensors back
+    through msgpack; the same audit and links as in process. The fresh side is the in-process
+    run's (same setting, same sampled tokens), so one multiprocess engine starts."""
+    from mismatch_probe.engine.process import descendants
+
+    before = set(descendants())
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    data = run_refit(_config(*untied, tmp_path, prompts), None, fresh=clean.fresh).data
+    assert data["engine_mode"] == "multiprocess"
+    audit = data["audit"]
+    assert (audit["mismatched"], audit["missing"], audit["unexpected"]) == ([], [], [])
+    assert audit["negative_control"]["named"] and not audit["broken"]
+    assert {r["name"] for r in audit["tensors"]} == {
+        r["name"] for r in clean.data["audit"]["tensors"]
+    }
+    assert data["links"]["refit"]["k3_kl"] == 0.0 and data["links"]["refit"]["tokens"] > 0
+    assert min(data["cache"]["warm_cached_tokens"]) >= data["cache"]["block_size"]
+    assert data["links"]["stale_prefix_cache"]["k3_kl"] > 0.0
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in __import__("os").environ  # restored
+    assert _new_processes(before) == []  # the engine core and its worker are gone
+
+
+def test_multiprocess_refuses_an_iterator(
+    untied: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """An iterator of tensors cannot cross the process boundary: ``--method load-weights`` on
+    a multiprocess engine is refused in one line before any engine starts; bad precision
+    lists likewise."""
+    from mismatch_probe.engine.process import descendants
+
+    before = set(descendants())
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    a, b = untied
+    out = tmp_path / "run"
+    args = ["refit", "--from", str(a), "--to", str(b), "--out", str(out)]
+    code, _, err = run_probe([*args, "--method", "load-weights"], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "multiprocess" in err and "process boundary" in err and "--method reload" in err
+    code, _, err = run_probe([*args, "--rollout-dtype", "float32,float64"], monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "float64" in err, err
+    assert not out.exists() or not any(out.iterdir())
+    assert _new_processes(before) == []
+
+
+class Injected(RuntimeError):
+    """The failure injected into a refit."""
+
+
+def _failing_push(llm: Any, path: Path) -> None:
+    """The real reload, then a failure (as a framework's refit that dies half-way)."""
+    refit.push(llm, refit.RELOAD, path)
+    raise Injected("refit failed half-way")
+
+
+def test_failed_refit_leaves_no_engine(
+    untied: tuple[Path, Path], prompts: Path, tmp_path: Path
+) -> None:
+    """An exception in the middle of the refit (after the reload): it reaches the caller, the
+    in-process engine is shut down (vLLM's parallel groups gone, no process left), and the run
+    directory holds nothing."""
+    from vllm.distributed import parallel_state
+
+    from mismatch_probe.engine.process import descendants
+
+    before = set(descendants())
+    out = tmp_path / "run"
+    with pytest.raises(Injected):
+        run_refit(_config(*untied, out, prompts), None, _failing_push)
+    assert not parallel_state.model_parallel_is_initialized()
+    assert _new_processes(before) == []
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_interrupted_multiprocess_refit_leaves_no_engine(
+    untied: tuple[Path, Path], prompts: Path, tmp_path: Path
+) -> None:
+    """``probe refit`` in a process of its own with a multiprocess engine, SIGINT while the
+    refit runs (the stage held open): one line, exit 130, no engine process left, nothing in
+    the run directory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mismatch_probe.engine.process import descendants
+    from tests.test_lifecycle import _start_time, survivors
+
+    a, b = untied
+    out = tmp_path / "run"
+    trace, stderr_path = tmp_path / "stages.txt", tmp_path / "stderr.txt"
+    env = {**os.environ, **MULTIPROCESS, "MISMATCH_PROBE_STAGE_TRACE": str(trace),
+           "MISMATCH_PROBE_STAGE_HOLD": "refit"}  # fmt: skip
+    kv = f"kv_cache_memory_bytes={128 << 20}"
+    args = ["refit", "--from", str(a), "--to", str(b), "--out", str(out), "--prompts",
+            str(prompts), "--max-tokens", "8", "--vllm-arg", kv]  # fmt: skip
+    probe = Path(sys.executable).with_name("probe")
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([str(probe), *args], stdout=subprocess.DEVNULL, stderr=stderr,
+                                env=env, start_new_session=True)  # fmt: skip
+    seen: dict[int, str] = {}
+    signalled = False
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        for child in descendants(proc.pid):
+            start = _start_time(child)
+            if start is not None:
+                seen.setdefault(child, start)
+        stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
+        if not signalled and stages and stages[-1] == "refit":
+            os.killpg(proc.pid, signal.SIGINT)
+            signalled = True
+        time.sleep(0.1)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("probe refit did not finish")
+    err = stderr_path.read_text()
+    assert signalled and proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "interrupted during refit; nothing written", err[-3000:]
+    assert "Traceback" not in err
+    assert len(seen) >= 2 and survivors(seen) == []  # engine core and worker, both gone
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_precision_lists_one_result_per_setting(
+    clean: RefitResult,
+    untied: tuple[Path, Path],
+    prompts: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
+) -> None:
+    """``--rollout-dtype float32,bfloat16 --train-dtype float32,bfloat16``: each rollout
+    setting runs its own engines (float32 reuses the clean run's fresh side), each training
+    dtype its own forward: four results, each audited and gated under its name. The refit is
+    exact in bfloat16 too (the same processing of the same values)."""
+    cfg = replace(_config(*untied, tmp_path, prompts), rollout_dtype="float32,bfloat16",
+                  train_dtype="float32,bfloat16")  # fmt: skip
+    result = run_refit(cfg, None, fresh=clean.fresh)
+    parts = result.data["settings"]
+    names = [p["setting"] for p in parts]
+    assert names == [f"rollout={r} | train={t}" for r in ("fp32", "bf16") for t in ("fp32", "bf16")]
+    for part in parts:
+        assert part["audit"]["mismatched"] == [] and part["audit"]["negative_control"]["named"]
+        assert part["links"]["refit"]["k3_kl"] == 0.0 and part["links"]["refit"]["tokens"] > 0
+        assert part["links"]["stale_prefix_cache"]["k3_kl"] > 0.0
+    bf16 = [p for p in parts if p["rollout_dtype"] == "bfloat16"]
+    assert {p["audit"]["tensors"][0]["dtype"] for p in bf16} == {"bfloat16"}
+    # the training dtype changes only the engine_vs_train link of a rollout setting
+    assert parts[0]["links"]["refit"] == parts[1]["links"]["refit"]
+    assert parts[0]["links"]["engine_vs_train"] != parts[1]["links"]["engine_vs_train"]
+    code, out, _ = run_probe(["check", str(tmp_path)], monkeypatch, capsys)
+    assert code == 1
+    for name in names:
+        assert f"[{name}] link stale_prefix_cache" in out
+    report = (tmp_path / "report.md").read_text()
+    assert report.count("## Refit: ") == 4
+
+
+def test_report_html(clean: RefitResult, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """report.html: the refit section as one self-contained page, the same as report.md's
+    (rendered from the view rundir reads), written by the run and again by probe report."""
+    from mismatch_probe.report.refit import refit_html
+    from mismatch_probe.rundir.refit import read_refit
+
+    run = clean.path.parent
+    page = (run / "report.html").read_text()
+    assert page == refit_html(read_refit(run))
+    assert "<h2>Refit</h2>" in page and "Content-Security-Policy" in page
+    for name in ("stale_prefix_cache", "refit", "engine_vs_train", "cache_salt"):
+        assert f"<td>{name}</td>" in page
+    assert "<script" not in page and str(run) not in page
+    (run / "report.html").unlink()
+    code, out, _ = run_probe(["report", str(run)], monkeypatch, capsys)
+    assert code == 0 and (run / "report.html").read_text() == page and "report.html" in out

@@ -24,7 +24,17 @@ class RefitGate:
 
 def gate_refit(data: dict[str, Any], max_link: float = DEFAULT_MAX_LINK) -> RefitGate:
     """Fail on any mismatched, missing or unexpected tensor, on a broken audit (its negative
-    control not named), and on a gated link whose ``k3_kl`` is above ``max_link``."""
+    control not named), and on a gated link whose ``k3_kl`` is above ``max_link``; every
+    setting of a run of several, each failure prefixed by its setting's name."""
+    parts = data.get("settings")
+    if not isinstance(parts, list):
+        return RefitGate(_failures(data, max_link), max_link)
+    failures = [f"[{p.get('setting', '?')}] {f}" for p in parts for f in _failures(p, max_link)]
+    return RefitGate(failures, max_link)
+
+
+def _failures(data: dict[str, Any], max_link: float) -> list[str]:
+    """One setting's failures."""
     audit = data.get("audit", {})
     failures = []
     for key in AUDIT_LISTS:
@@ -52,4 +62,4 @@ def gate_refit(data: dict[str, Any], max_link: float = DEFAULT_MAX_LINK) -> Refi
             failures.append(f"link {name}: not measured")
         elif float(link.get("k3_kl", 0.0)) > max_link:
             failures.append(f"link {name}: k3_kl {link['k3_kl']:.3g} > --max-link {max_link:g}")
-    return RefitGate(failures, max_link)
+    return failures
