@@ -2,13 +2,15 @@
 built here, B = A after a real optimizer step), the weight audit, the links, ``probe check``.
 
 Engines are the cost: the clean refit runs once (two engines), the wrong refit reuses its fresh
-side (one more), the tied model runs once (two), the refused method stops at its first engine.
+side (one more), the tied model runs once (two), the refused method stops at its first engine;
+the multiprocess refit and the precision list reuse the clean run's fresh side; the interrupted
+``probe refit`` runs in its own process (a multiprocess engine), watched by a thread.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +202,7 @@ def test_load_weights_refused(
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "packs the linear layers" in err and "--method reload" in err
     assert not (out / "refit.json").exists()
-    assert set(descendants()) <= before
+    assert _new_processes(before) == []
 
 
 def test_report_and_comment(
@@ -249,6 +251,7 @@ MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # Helpers of this process that outlive an engine by design (Python's multiprocessing resource
 # tracker, started once for the process): not engine processes.
 HELPERS = ("resource_tracker",)
+BACKGROUND: set[int] = set()  # this module's own probe processes running beside its tests
 
 
 def _new_processes(before: set[int]) -> list[str]:
@@ -261,10 +264,12 @@ def _new_processes(before: set[int]) -> list[str]:
     found = []
     for pid in set(descendants()) - before:
         try:
-            line = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
+            proc = psutil.Process(pid)
+            line = " ".join(proc.cmdline()) or proc.name()
+            mine = {pid, *(p.pid for p in proc.parents())} & BACKGROUND
         except psutil.Error:
             continue
-        if not any(h in line for h in HELPERS):
+        if not mine and not any(h in line for h in HELPERS):
             found.append(line)
     return found
 
@@ -352,55 +357,99 @@ def test_failed_refit_leaves_no_engine(
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_interrupted_multiprocess_refit_leaves_no_engine(
-    untied: tuple[Path, Path], prompts: Path, tmp_path: Path
-) -> None:
+@dataclass
+class Interrupted:
+    """``probe refit`` in a process of its own, interrupted: what it left."""
+
+    code: int | None
+    stderr: str
+    signalled: bool
+    seen: dict[int, str]  # every process below it while it ran: pid -> start time
+    out: Path
+
+
+class Background:
+    """``probe refit`` started in a process of its own (multiprocess engine), watched by a
+    thread: SIGINT to its process group once it enters the refit stage (held open)."""
+
+    def __init__(self, a: Path, b: Path, prompts: Path, root: Path) -> None:
+        import os
+        import subprocess
+        import sys
+        import threading
+
+        self.out, self.trace, self.stderr = root / "run", root / "stages.txt", root / "err.txt"
+        env = {**os.environ, **MULTIPROCESS, "MISMATCH_PROBE_STAGE_TRACE": str(self.trace),
+               "MISMATCH_PROBE_STAGE_HOLD": "refit"}  # fmt: skip
+        kv = f"kv_cache_memory_bytes={128 << 20}"
+        args = ["refit", "--from", str(a), "--to", str(b), "--out", str(self.out), "--prompts",
+                str(prompts), "--max-tokens", "8", "--vllm-arg", kv]  # fmt: skip
+        probe = Path(sys.executable).with_name("probe")
+        with open(self.stderr, "w") as stderr:
+            self.proc = subprocess.Popen(
+                [str(probe), *args],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=env,
+                start_new_session=True,
+            )
+        BACKGROUND.add(self.proc.pid)
+        self.seen: dict[int, str] = {}
+        self.signalled = False
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import os
+        import signal
+        import time
+
+        from mismatch_probe.engine.process import descendants
+        from tests.test_lifecycle import _start_time
+
+        deadline = time.monotonic() + 600
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            for child in descendants(self.proc.pid):
+                start = _start_time(child)
+                if start is not None:
+                    self.seen.setdefault(child, start)
+            stages = self.trace.read_text().split("\n")[:-1] if self.trace.exists() else []
+            if not self.signalled and stages and stages[-1] == "refit":
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.signalled = True
+            time.sleep(0.1)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def result(self) -> Interrupted:
+        self.thread.join()
+        code = self.proc.returncode
+        return Interrupted(code, self.stderr.read_text(), self.signalled, self.seen, self.out)
+
+
+@pytest.fixture(scope="module")
+def interrupted(
+    untied: tuple[Path, Path], prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Background:
+    """Started when its test runs, with no other engine of this module alive (started beside
+    the clean run's in-process engines, its worker failed to start on this machine)."""
+    return Background(*untied, prompts, tmp_path_factory.mktemp("interrupted"))
+
+
+def test_interrupted_multiprocess_refit_leaves_no_engine(interrupted: Background) -> None:
     """``probe refit`` in a process of its own with a multiprocess engine, SIGINT while the
     refit runs (the stage held open): one line, exit 130, no engine process left, nothing in
     the run directory."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from tests.test_lifecycle import survivors
 
-    from mismatch_probe.engine.process import descendants
-    from tests.test_lifecycle import _start_time, survivors
-
-    a, b = untied
-    out = tmp_path / "run"
-    trace, stderr_path = tmp_path / "stages.txt", tmp_path / "stderr.txt"
-    env = {**os.environ, **MULTIPROCESS, "MISMATCH_PROBE_STAGE_TRACE": str(trace),
-           "MISMATCH_PROBE_STAGE_HOLD": "refit"}  # fmt: skip
-    kv = f"kv_cache_memory_bytes={128 << 20}"
-    args = ["refit", "--from", str(a), "--to", str(b), "--out", str(out), "--prompts",
-            str(prompts), "--max-tokens", "8", "--vllm-arg", kv]  # fmt: skip
-    probe = Path(sys.executable).with_name("probe")
-    with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen([str(probe), *args], stdout=subprocess.DEVNULL, stderr=stderr,
-                                env=env, start_new_session=True)  # fmt: skip
-    seen: dict[int, str] = {}
-    signalled = False
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        for child in descendants(proc.pid):
-            start = _start_time(child)
-            if start is not None:
-                seen.setdefault(child, start)
-        stages = trace.read_text().split("\n")[:-1] if trace.exists() else []
-        if not signalled and stages and stages[-1] == "refit":
-            os.killpg(proc.pid, signal.SIGINT)
-            signalled = True
-        time.sleep(0.1)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("probe refit did not finish")
-    err = stderr_path.read_text()
-    assert signalled and proc.returncode == 130, err[-3000:]
+    result = interrupted.result()
+    err = result.stderr
+    assert result.signalled and result.code == 130, err[-3000:]
     assert err.strip().splitlines()[-1] == "interrupted during refit; nothing written", err[-3000:]
     assert "Traceback" not in err
-    assert len(seen) >= 2 and survivors(seen) == []  # engine core and worker, both gone
-    assert not out.exists() or not any(out.iterdir())
+    assert len(result.seen) >= 2 and survivors(result.seen) == []  # engine core, worker: gone
+    assert not result.out.exists() or not any(result.out.iterdir())
 
 
 def test_precision_lists_one_result_per_setting(

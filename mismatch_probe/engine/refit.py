@@ -36,7 +36,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -196,6 +196,7 @@ def _expert_isa(module: Any) -> str:
     return str(experts.isa)
 
 
+@lru_cache(maxsize=4)  # every layer's experts share their shapes: found once per read-back
 def _prepack_order(shape: tuple[int, ...], dtype: Any, isa: str) -> torch.Tensor | None:
     """``order`` with ``packed.view(-1) == logical.view(-1)[order]`` for the CPU experts'
     prepack (``torch.ops._C.prepack_moe_weight``), found by packing the element indices, one
@@ -266,13 +267,20 @@ def _effective(model: Any, stored: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
+def _effective_once(model: Any) -> dict[str, torch.Tensor]:
+    try:
+        return _effective(model)
+    finally:
+        _prepack_order.cache_clear()  # its index tensors are not kept in the worker
+
+
 def effective_weights(llm: Any) -> dict[str, torch.Tensor]:
     """Every weight of the engine's model as it computes with it, by the engine's names.
 
     The CPU backend's fused experts (``w13_weight``, ``w2_weight``) are computed with in a
     prepacked layout (``experts.cpu_moe``: ``prepack_moe_weight``): they are read back in their
     logical ``[E, N, K]`` layout, through the inverse of that prepack (a permutation)."""
-    return dict(llm.apply_model(_effective)[0])
+    return dict(llm.apply_model(_effective_once)[0])
 
 
 def stored_experts(llm: Any) -> dict[str, torch.Tensor]:
