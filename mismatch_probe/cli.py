@@ -413,14 +413,17 @@ def check(
 
 def _report_refit(run_dir: Path, fmt: str) -> None:
     from mismatch_probe.gate.refit import gate_refit
-    from mismatch_probe.report.refit import refit_comment, render_refit
+    from mismatch_probe.report.refit import refit_comment, render_refit, write_refit_reports
     from mismatch_probe.rundir.refit import read_refit
 
     data = read_refit(run_dir)
     if fmt == "pr-comment":
         print(refit_comment(data, gate_refit(data)), end="")
         return
-    render_refit(data, _stdout_console())
+    paths = write_refit_reports(data, run_dir)
+    console = _stdout_console()
+    render_refit(data, console)
+    _print_paths(console, paths)
 
 
 def _check_refit(run_dir: Path, max_link: float) -> None:

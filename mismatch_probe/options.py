@@ -958,9 +958,10 @@ RefitRolloutDtypeOpt = Annotated[
     str,
     typer.Option(
         "--rollout-dtype",
-        metavar="DTYPE",
+        metavar="DTYPE[,DTYPE...]",
         rich_help_panel=PRECISION,
-        help="The engine's dtype: float32, float16 or bfloat16.",
+        help="The engines' dtype(s): float32, float16, bfloat16; a comma list refits each as a "
+        "setting (its own engines), as probe scan runs each.",
     ),
 ]
 
@@ -968,9 +969,10 @@ RefitTrainDtypeOpt = Annotated[
     str,
     typer.Option(
         "--train-dtype",
-        metavar="DTYPE",
+        metavar="DTYPE[,DTYPE...]",
         rich_help_panel=PRECISION,
-        help="The transformers forward's dtype on B (the engine_vs_train link).",
+        help="The transformers forward's dtype(s) on B (the engine_vs_train link); a comma list "
+        "runs each.",
     ),
 ]
 
@@ -978,9 +980,9 @@ RefitKvCacheDtypeOpt = Annotated[
     str,
     typer.Option(
         "--kv-cache-dtype",
-        metavar="DTYPE",
+        metavar="DTYPE[,DTYPE...]",
         rich_help_panel=PRECISION,
-        help="The engine's KV-cache dtype: auto or fp8.",
+        help="The engines' KV-cache dtype(s): auto, fp8, fp8_e4m3, fp8_e5m2 (comma list).",
     ),
 ]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,34 +106,44 @@ class CheckpointAudit:
     mismatched: list[str]  # checkpoint names whose place holds other values
     missing: list[str]  # engine parameters no checkpoint tensor fills
     unexpected: list[str]  # checkpoint names the engine has no place for
-    not_compared: list[str]  # checkpoint names placed in a layout not read back (MoE experts)
+    not_compared: list[str]  # checkpoint expert names the engine's expert mapping did not place
+    # mismatched expert tensors the engine stores with the checkpoint's values in the
+    # checkpoint's layout, not prepacked, while its kernel reads them as prepacked
+    not_repacked: list[str] = field(default_factory=list)
 
 
 def compare_checkpoint(
-    engine: Mapping[str, torch.Tensor], layout: Layout, checkpoint: Path
+    engine: Mapping[str, torch.Tensor],
+    layout: Layout,
+    checkpoint: Path,
+    stored: Mapping[str, torch.Tensor] | None = None,
 ) -> CheckpointAudit:
-    """Every tensor of ``checkpoint`` at the place the engine's name mapping gives it."""
+    """Every tensor of ``checkpoint`` at the place the engine's name mapping gives it.
+
+    ``stored``: the prepacked expert tensors as stored (``refit.stored_experts``), to tell
+    which mismatched expert tensors hold the checkpoint's values unpacked."""
     import torch
 
-    filled: dict[str, list[tuple[int, int] | None]] = {}
-    mismatched, unexpected, not_compared = [], [], []
+    filled: set[str] = set()
+    mismatched, unexpected, not_compared, not_repacked = [], [], [], []
     checked = 0
     for name, tensor in iter_checkpoint(checkpoint):
         place = layout.place(name)
         if place is None and layout.experts and ".experts." in name:
-            not_compared.append(name)  # the fused experts' own loader mapping
+            not_compared.append(name)  # an expert tensor the expert mapping did not place
             continue
         if place is None or place.engine not in engine:
             unexpected.append(name)
             continue
-        filled.setdefault(place.engine, []).append(place.rows)
-        held = engine[place.engine]
-        if place.rows is not None:
-            held = held[place.rows[0] : place.rows[1]]
+        filled.add(place.engine)
+        held = place.select(engine[place.engine])
         checked += 1
         expected = tensor.to(held.dtype)
         if held.shape != expected.shape or not torch.equal(held, expected):
             mismatched.append(name)
+            raw = (stored or {}).get(place.engine)
+            if raw is not None and torch.equal(place.select(raw), expected):
+                not_repacked.append(name)
         head = engine.get(layout.head) if layout.head and place.engine == layout.tied else None
         if head is not None and not _same_rows(head, expected):
             mismatched.append(layout.head)  # the tied head computes with other values
@@ -142,9 +152,10 @@ def compare_checkpoint(
         for n in layout.names
         if n not in filled
         and not n.endswith(ENGINE_DEFAULTED)
-        and not (layout.experts and ".experts." in n)
+        and not (layout.experts and ".experts." in n and not_compared)
     )
-    return CheckpointAudit(checked, sorted(mismatched), missing, sorted(unexpected), not_compared)
+    return CheckpointAudit(checked, sorted(mismatched), missing, sorted(unexpected),
+                           not_compared, sorted(not_repacked))  # fmt: skip
 
 
 def _same_rows(head: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -160,15 +171,16 @@ def _same_rows(head: torch.Tensor, expected: torch.Tensor) -> bool:
 
 def control_tensor(layout: Layout, checkpoint: Path) -> str:
     """The checkpoint tensor the negative control perturbs: the first (by name) placed into a
-    fused engine tensor (the read-back and the slicing both exercised), else the first placed."""
+    fused engine tensor (the read-back and the slicing both exercised), else the first placed;
+    an expert's tensor last (a wrong expert refit would name it without the audit working)."""
     placed = []
     for name, _ in _names(checkpoint):
         place = layout.place(name)
         if place is not None:
-            placed.append((place.rows is None, name))
+            placed.append((place.expert is not None, place.rows is None, name))
     if not placed:
         return ""
-    return min(placed)[1]
+    return min(placed)[-1]
 
 
 def _names(checkpoint: Path) -> Iterator[tuple[str, None]]:

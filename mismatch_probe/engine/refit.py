@@ -15,7 +15,8 @@ the running engine, which keeps its prefix KV cache. This module is the engine s
   packed oneDNN / SGL handles, ``vllm/model_executor/layers/utils.py``), so a linear layer's
   weight is read back as its output on an identity input (``quant_method.apply(layer,
   eye(K))``, bitwise: products with 1 and sums with 0 are exact); every other parameter and
-  persistent buffer is taken as stored (MoE experts in their repacked layout).
+  persistent buffer is taken as stored; the CPU backend's prepacked MoE experts are read back
+  in their logical layout through the inverse of the prepack (a permutation of the elements).
 - ``checkpoint_view``: a checkpoint's tensors placed where the engine's own name mapping puts
   them (``hf_to_vllm_mapper``: fused ``qkv_proj`` / ``gate_up_proj`` slices; a tied head).
 - ``score_cached``: prompt log-probabilities that *read* the prefix cache as generation does
@@ -35,7 +36,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,11 +183,66 @@ def _linear_weight(module: Any) -> torch.Tensor:
     return torch.cat(parts).t().contiguous()
 
 
-def _effective(model: Any) -> dict[str, torch.Tensor]:
+def _expert_isa(module: Any) -> str:
+    """The ISA a CPU fused-experts module prepacked its weights for (``CPUUnquantizedExperts``
+    and its x86, Arm and Power kinds: ``prepack_moe_weight``); '' where its experts are kept as
+    loaded (another backend, or zentorch)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+        return ""
+    return str(experts.isa)
+
+
+@lru_cache(maxsize=4)  # every layer's experts share their shapes: found once per read-back
+def _prepack_order(shape: tuple[int, ...], dtype: Any, isa: str) -> torch.Tensor | None:
+    """``order`` with ``packed.view(-1) == logical.view(-1)[order]`` for the CPU experts'
+    prepack (``torch.ops._C.prepack_moe_weight``), found by packing the element indices, one
+    byte at a time (exact in every float dtype); None where the prepack is no permutation."""
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    count = 1
+    for n in shape:
+        count *= n
+    index = torch.arange(count, dtype=torch.int64)
+    order = torch.zeros(count, dtype=torch.int64)
+    for byte in range((max(count - 1, 1).bit_length() + 7) // 8):
+        digit = ((index >> (8 * byte)) & 255).to(dtype).reshape(shape).contiguous()
+        order += cpu_prepack_moe_weight(digit, isa).reshape(-1).to(torch.int64) << (8 * byte)
+    if not torch.equal(torch.sort(order).values, index):
+        return None
+    return order
+
+
+def _unpacked(tensor: torch.Tensor, isa: str) -> torch.Tensor | None:
+    """A prepacked expert tensor in its logical layout (``[E, N, K]``, as loaded)."""
+    import torch
+
+    order = _prepack_order(tuple(tensor.shape), tensor.dtype, isa)
+    if order is None:
+        return None
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype)
+    flat[order] = tensor.detach().reshape(-1)
+    return flat.reshape(tensor.shape)
+
+
+EXPERT_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+def _effective(model: Any, stored: bool = False) -> dict[str, torch.Tensor]:
+    """``stored``: only the prepacked expert tensors, as stored (not unpacked)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()  # a tied head's weight is the embedding's: named once, as torch does
     for prefix, module in model.named_modules():
         linear = _is_linear(module) or _is_head(module)
+        isa = _expert_isa(module) if hasattr(module, "w13_weight") else ""
+        if stored:
+            for local in EXPERT_WEIGHTS if isa else ():
+                out[f"{prefix}.{local}"] = getattr(module, local).detach().cpu().clone()
+            continue
         for local, tensor in module._parameters.items():
             if tensor is None:
                 continue
@@ -197,7 +253,13 @@ def _effective(model: Any) -> dict[str, torch.Tensor]:
             seen.add(id(tensor))
             name = f"{prefix}.{local}" if prefix else local
             packed = linear and local == "weight"
-            out[name] = _linear_weight(module) if packed else tensor.detach().cpu().clone()
+            value = _linear_weight(module) if packed else tensor.detach().cpu().clone()
+            if isa and local in EXPERT_WEIGHTS:  # computed with as prepacked: read unpacked
+                value = _unpacked(value, isa)
+                if value is None:
+                    raise RefitError(f"{name}: the CPU experts' prepack ({isa}) is not a "
+                                     "permutation here; the audit cannot read it back")  # fmt: skip
+            out[name] = value
         skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for local, tensor in module._buffers.items():
             if local not in skip and tensor is not None:
@@ -205,9 +267,25 @@ def _effective(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def _effective_once(model: Any) -> dict[str, torch.Tensor]:
+    try:
+        return _effective(model)
+    finally:
+        _prepack_order.cache_clear()  # its index tensors are not kept in the worker
+
+
 def effective_weights(llm: Any) -> dict[str, torch.Tensor]:
-    """Every weight of the engine's model as it computes with it, by the engine's names."""
-    return dict(llm.apply_model(_effective)[0])
+    """Every weight of the engine's model as it computes with it, by the engine's names.
+
+    The CPU backend's fused experts (``w13_weight``, ``w2_weight``) are computed with in a
+    prepacked layout (``experts.cpu_moe``: ``prepack_moe_weight``): they are read back in their
+    logical ``[E, N, K]`` layout, through the inverse of that prepack (a permutation)."""
+    return dict(llm.apply_model(_effective_once)[0])
+
+
+def stored_experts(llm: Any) -> dict[str, torch.Tensor]:
+    """The CPU backend's prepacked expert tensors as stored (empty: no such experts)."""
+    return dict(llm.apply_model(partial(_effective, stored=True))[0])
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -244,10 +322,22 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 @dataclass(frozen=True)
 class Placement:
     """Where the engine puts one checkpoint tensor: ``engine`` name, rows ``[start, stop)``
-    of its first dimension (None: the whole tensor)."""
+    of its first dimension (None: the whole tensor); for a fused-experts tensor ``[E, N, K]``
+    the ``expert`` (its first index; the rows and ``cols`` then index ``N`` and ``K``)."""
 
     engine: str
     rows: tuple[int, int] | None = None
+    expert: int | None = None
+    cols: tuple[int, int] | None = None
+
+    def select(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of the engine tensor this checkpoint tensor fills."""
+        held = tensor if self.expert is None else tensor[self.expert]
+        if self.rows is not None:
+            held = held[self.rows[0] : self.rows[1]]
+        if self.cols is not None:
+            held = held[:, self.cols[0] : self.cols[1]]
+        return held
 
 
 @dataclass
@@ -287,8 +377,35 @@ def _layout_of(names: tuple[str, ...], model: Any) -> dict[str, Any]:
     params = {n for n, _ in model.named_parameters()}
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     placed = {n: _place(n, mapper, splits, tied, params) for n in names}
+    for name, place in _expert_places(model).items():
+        if name in placed:
+            placed[name] = place
     return {"placements": placed, "tied": tied, "head": head, "experts": experts,
             "names": sorted(params)}  # fmt: skip
+
+
+def _expert_places(model: Any) -> dict[str, list[Any]]:
+    """Checkpoint name -> ``[engine name, start, stop, expert, col start, col stop]`` of every
+    per-expert tensor, by the fused-experts modules' own loader mapping (``get_expert_mapping``:
+    ``w1`` the gate rows of ``w13``, ``w3`` its up rows, ``w2`` the down projection), with the
+    CPU backend's zero padding of the intermediate size left out."""
+    places: dict[str, list[Any]] = {}
+    for prefix, module in model.named_modules():
+        mapping = getattr(module, "get_expert_mapping", None)
+        if not hasattr(module, "w13_weight") or mapping is None or ".experts" not in prefix:
+            continue
+        base = prefix[: prefix.rfind(".experts") + 1]  # the MoE block: the mapping's names below
+        config = module.moe_config
+        inter = int(getattr(config, "intermediate_size_per_partition_unpadded", 0)
+                    or config.intermediate_size_per_partition)  # fmt: skip
+        padded = int(module.w13_weight.shape[1]) // 2
+        for param, weight, expert, shard in mapping():
+            local = param.rsplit(".", 1)[-1] + "weight"  # "experts.w13_" -> "w13_weight"
+            engine = f"{prefix}.{local}"
+            rows = {"w1": [0, inter], "w3": [padded, padded + inter]}.get(shard, [-1, -1])
+            cols = [0, inter] if shard == "w2" else [-1, -1]
+            places[f"{base}{weight}weight"] = [engine, *rows, int(expert), *cols]
+    return places
 
 
 def _place(
@@ -315,6 +432,14 @@ def _place(
     return [mapped, start, start + sizes[index]]
 
 
+def _placement(raw: list[Any]) -> Placement:
+    rows = None if raw[1] < 0 else (int(raw[1]), int(raw[2]))
+    if len(raw) < 6:
+        return Placement(raw[0], rows)
+    cols = None if raw[4] < 0 else (int(raw[4]), int(raw[5]))
+    return Placement(raw[0], rows, int(raw[3]), cols)
+
+
 def layout(llm: Any, checkpoint: Path) -> Layout:
     """The engine model's name mapping (fused shards, tied head, MoE experts) for the tensor
     names of ``checkpoint``."""
@@ -325,10 +450,7 @@ def layout(llm: Any, checkpoint: Path) -> Layout:
         with safe_open(str(file), framework="pt") as f:
             names += list(f.keys())
     raw = llm.apply_model(partial(_layout_of, tuple(names)))[0]
-    placements = {
-        n: None if p is None else Placement(p[0], None if p[1] < 0 else (p[1], p[2]))
-        for n, p in raw["placements"].items()
-    }
+    placements = {n: None if p is None else _placement(p) for n, p in raw["placements"].items()}
     return Layout(placements, raw["tied"], raw["head"], bool(raw["experts"]), set(raw["names"]))
 
 
