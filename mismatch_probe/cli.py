@@ -521,14 +521,11 @@ def scan(
     options = dict(locals())  # the parameters above, by name: nothing else is defined yet
     from mismatch_probe.pipeline.scan import run_scan
     from mismatch_probe.pipeline.sharding import run_sharded
-    from mismatch_probe.report.summary import render_summary
-    from mismatch_probe.report.terminal import render_run
+    from mismatch_probe.report.summary import render_scan
 
     cfg = ScanConfig.from_options(**options)
     result = (run_sharded if cfg.sharded else run_scan)(cfg, Console(stderr=True))
-    console = _stdout_console()
-    render_run(result.report, console)
-    render_summary(result, console)
+    render_scan(result, _stdout_console())
 
 
 @app.command(cls=ProbeCommand, epilog=epilog("layers"))

@@ -37,6 +37,7 @@ from mismatch_probe.rundir.loader import (
     select_settings,
     setting_entries,
 )
+from mismatch_probe.rundir.order import in_setting_order, setting_key
 
 __all__ = [
     "Entry",
@@ -45,10 +46,12 @@ __all__ = [
     "RunData",
     "WorstToken",
     "build_report",
+    "in_setting_order",
     "load_report",
     "load_run",
     "read_data",
     "select_settings",
     "setting_entries",
+    "setting_key",
     "write_data",
 ]
