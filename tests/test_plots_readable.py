@@ -108,3 +108,19 @@ def test_report_of_extreme_logprobs_prints_no_warning(
     assert [str(w.message) for w in caught] == []
     assert "Warning" not in err
     assert (run / "plots" / "settings" / "k3_by_setting.png").exists()
+
+
+def test_trend_of_an_overflowing_log_prob_warns_of_nothing(tmp_path: Path) -> None:
+    """An ingested step whose training log-prob is 800 (exp overflows): the trend plot is drawn
+    without a matplotlib warning (the values beyond ``DRAW_MAX`` drawn at it)."""
+    from mismatch_probe.ingest import IngestConfig, run_ingest
+    from tests.ingest_fixtures import synthetic_steps, write_prime_rl
+
+    data = synthetic_steps([1, 2], seqs=3)
+    data[2][1].train[0] = 800.0
+    src = write_prime_rl(tmp_path / "src", data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_ingest(IngestConfig("prime-rl", src, tmp_path / "run"))
+    assert [str(w.message) for w in caught] == []
+    assert (result.out / "plots" / "trend.png").stat().st_size > 0
