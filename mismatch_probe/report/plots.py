@@ -76,7 +76,7 @@ def plain_ticks(axis: Any, ticks: tuple[float, ...]) -> None:
 DRAW_MAX = 1e100
 
 
-def drawable(values: np.ndarray) -> np.ndarray:
+def drawable(values: Any) -> np.ndarray:
     """``values`` clipped to ``[-DRAW_MAX, DRAW_MAX]`` (NaN stays NaN: matplotlib skips it)."""
     return np.clip(np.asarray(values, dtype=np.float64), -DRAW_MAX, DRAW_MAX)
 
