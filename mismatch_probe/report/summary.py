@@ -103,8 +103,8 @@ def leads_with_settings(result: ScanOutcome) -> bool:
 
 def render_summary(result: ScanOutcome, console: Console) -> None:
     """Print the settings (in the settings' order, ``rundir.order``) with the grid and each
-    setting's recommendation when there are several, the skipped ones and the lowest
-    mismatch."""
+    setting's recommendation when there are several, the skipped ones, the lowest mismatch and
+    what routing replay removed (an MoE scan)."""
     run = result.run
     sampling = run["sampling"]
     console.print(
@@ -132,13 +132,13 @@ def render_summary(result: ScanOutcome, console: Console) -> None:
             f"{metrics['rollout_tokens_per_s']:.1f} rollout tok/s)",
             highlight=False,
         )
+    for line in summary_lines(result.report.routing):  # routing replay's effect, across settings
+        console.print(Text(visible(line)), highlight=False)
 
 
 def render_tail(result: ScanOutcome, console: Console) -> None:
-    """The routing and attribution summaries, phase times and the paths written."""
+    """The attribution summary, phase times and the paths written."""
     run = result.run
-    for line in summary_lines(result.report.routing):
-        console.print(Text(visible(line)), highlight=False)
     attribution.render(result.report.attribution, console)
     console.print(_timings_line(run["timings"]), highlight=False)
     for name, path in result.paths.items():
