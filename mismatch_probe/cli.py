@@ -8,6 +8,7 @@ library functions, so ``probe --help`` answers at once.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -202,9 +203,18 @@ def metrics_command(
         render_metrics(result, _stdout_console())
 
 
+# The width of stdout when it is no terminal (logs, CI) and COLUMNS names none: a precision
+# matrix's grid (a column per health check, then the recommendation) fits without folding.
+PLAIN_WIDTH = 180
+
+
 def _stdout_console() -> Console:
-    """Results go to stdout; wide when it is not a terminal (logs, CI), so tables don't wrap."""
-    return Console() if sys.stdout.isatty() else Console(width=140)
+    """Results go to stdout; wide when it is not a terminal (logs, CI), so tables don't wrap
+    (``COLUMNS``, when set, is the width)."""
+    if sys.stdout.isatty():
+        return Console()
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else PLAIN_WIDTH)
 
 
 def main() -> None:
