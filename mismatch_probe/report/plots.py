@@ -472,7 +472,8 @@ def write_k3_by_setting(entries: list[Any], path: Path) -> tuple[Path, str]:
     handles += [Patch(color="tab:red", label="a verdict fails")]
     ax.legend(handles=handles, fontsize=7, loc="upper left")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save(fig, path, title, f"{len(entries)} settings, least mismatch first"), title
+    order = "in the grid's order (failing first, then least k3_kl)"
+    return save(fig, path, title, f"{len(entries)} settings, {order}"), title
 
 
 PlotFn = Callable[["Figure", "Axes", RunContext], None]

@@ -11,7 +11,8 @@ Public API::
 
 ``ctx`` is a ``RunContext`` (one setting: metrics, curves, worst tokens and outliers in context,
 integrity findings, routing, attribution, trend); ``entries`` one ``Entry`` per setting of a
-precision-matrix run, least mismatch first. The scan's finishing step and ``probe ingest`` build
+precision-matrix run, in the one order of ``order.setting_key`` (failing first, then least
+``k3_kl``). The scan's finishing step and ``probe ingest`` build
 the view from what they computed (``RunData``); ``probe report`` reads it back (``read_data``,
 every file through the NaN-refusing ``store.read_json``). Either way the store itself is read
 only for what no data file holds: the worst tokens' text, their causes, a small run's token

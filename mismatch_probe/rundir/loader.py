@@ -65,7 +65,7 @@ def build_report(
 ) -> tuple[RunContext, list[Entry]]:
     """What a report shows: the run (its reference setting when the store holds several), with
     its data-integrity findings and, for an ingested run, its trend; and, for a precision-matrix
-    run, one ``Entry`` per setting (least mismatch first).
+    run, one ``Entry`` per setting (in the settings' order, ``rundir.order``).
 
     Args:
         data: the run's data files, as the producer holds them in memory (the scan's finishing
