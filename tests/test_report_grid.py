@@ -231,9 +231,11 @@ def test_scan_leads_with_every_setting_judged(matrix: Path) -> None:
     from mismatch_probe.report.grid import recommendation_cell
 
     lines = scan_lines(matrix)
-    assert lines[0].startswith("mismatch_probe m ")
-    assert lines[1] == f"1 of 3 settings fail a check: {FP8}."
-    assert lines[2] == "Verdicts of every setting (3 settings, failing first)"
+    assert lines[0].startswith("✔ Data integrity: clean")  # integrity first, said once
+    assert sum("Data integrity" in line for line in lines) == 1
+    assert lines[1].startswith("mismatch_probe m ")
+    assert lines[2] == f"1 of 3 settings fail a check: {FP8}."
+    assert lines[3] == "Verdicts of every setting (3 settings, failing first)"
     header = next(line for line in lines if line.lstrip().startswith("setting"))
     assert header.split()[-1] == "recommendation"
     _, entries = __import__("mismatch_probe.rundir", fromlist=["x"]).load_report(matrix)

@@ -77,19 +77,25 @@ PHASES = (
 
 
 def render_scan(result: ScanOutcome, console: Console) -> None:
-    """Everything ``probe scan`` prints on stdout, in order: a matrix's settings judged first
-    (``render_summary``), then the reference setting's report, then the times and paths; a
-    single setting's report first, then its summary."""
+    """Everything ``probe scan`` prints on stdout, in order: for a matrix, the data integrity,
+    the settings judged (``render_summary``), then the reference setting's report, then the
+    times and paths; a single setting's report first, then its summary."""
+    from dataclasses import replace
+
+    from mismatch_probe.report.integrity import integrity_text
     from mismatch_probe.report.terminal import render_run
 
     if leads_with_settings(result):
+        ctx = result.report
+        if ctx.integrity is not None:  # first, before every setting judged (spec section 8)
+            console.print(integrity_text(ctx.integrity), highlight=False)
+            ctx = replace(ctx, integrity=None)  # said once
         render_summary(result, console)
         note = (
-            f"The report below describes one setting, {result.report.label}; every setting is "
-            "judged above."
+            f"The report below describes one setting, {ctx.label}; every setting is judged above."
         )
         console.print(Text(visible(note), style="italic"), highlight=False)
-        render_run(result.report, console)
+        render_run(ctx, console)
     else:
         render_run(result.report, console)
         render_summary(result, console)
