@@ -8,6 +8,7 @@ library functions, so ``probe --help`` answers at once.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -202,9 +203,18 @@ def metrics_command(
         render_metrics(result, _stdout_console())
 
 
+# The width of stdout when it is no terminal (logs, CI) and COLUMNS names none: a precision
+# matrix's grid (a column per health check, then the recommendation) fits without folding.
+PLAIN_WIDTH = 180
+
+
 def _stdout_console() -> Console:
-    """Results go to stdout; wide when it is not a terminal (logs, CI), so tables don't wrap."""
-    return Console() if sys.stdout.isatty() else Console(width=140)
+    """Results go to stdout; wide when it is not a terminal (logs, CI), so tables don't wrap
+    (``COLUMNS``, when set, is the width)."""
+    if sys.stdout.isatty():
+        return Console()
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() and int(columns) > 0 else PLAIN_WIDTH)
 
 
 def main() -> None:
@@ -524,14 +534,11 @@ def scan(
     options = dict(locals())  # the parameters above, by name: nothing else is defined yet
     from mismatch_probe.pipeline.scan import run_scan
     from mismatch_probe.pipeline.sharding import run_sharded
-    from mismatch_probe.report.summary import render_summary
-    from mismatch_probe.report.terminal import render_run
+    from mismatch_probe.report.summary import render_scan
 
     cfg = ScanConfig.from_options(**options)
     result = (run_sharded if cfg.sharded else run_scan)(cfg, Console(stderr=True))
-    console = _stdout_console()
-    render_run(result.report, console)
-    render_summary(result, console)
+    render_scan(result, _stdout_console())
 
 
 @app.command(cls=ProbeCommand, epilog=epilog("layers"))

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from mismatch_probe.cli_help import EXAMPLES
+from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.names import STRUCTURED, lookup
 
 pytestmark = pytest.mark.engine
@@ -97,6 +98,13 @@ SENTENCES = (
         "<h>",
     ),
 )
+# A grid row's last cell, the setting's recommendation (``grid.recommendation_cell``): it follows
+# the data like the sentences above, one placeholder.
+RECOMMENDATION_CELL = re.compile(
+    r"\s(?:none needed|investigate first|no preset fits \(closest \w+\)|"
+    + "|".join(re.escape(name) for name in PRESETS)
+    + r")$"
+)
 # Lines that depend on the CPU or on the data: not compared.
 OPTIONAL = re.compile(r"^(?:skipped <setting>|skipped rollout=|first difference: )")
 
@@ -106,6 +114,7 @@ def shape(line: str, out: str) -> tuple[str, ...] | None:
     text = line.strip().replace(out, "<out>")
     if not text or OPTIONAL.match(text):
         return None
+    text = RECOMMENDATION_CELL.sub(" <recommendation>", text)
     text = SETTING.sub("<setting>", text)
     text = VERDICT.sub("<verdict>", NUMBER.sub("#", text))
     text = re.sub(r"[✔✘]", "<mark>", text)
@@ -203,6 +212,9 @@ def test_normalising_keeps_what_a_reader_sees() -> None:
     assert shape("setting verdict tokens k3_kl", "x") != shape("setting verdict tokens kl", "x")
     assert shape("skipped rollout=bf16,kv=fp8: an fp8 KV cache needs AVX-512", "x") is None
     assert shape(" ─────────", "x") == shape(" ───", "x")
+    row = "rollout=bf16 | train=fp32   ✔ PASS     ✔ 0.002202     ✔ 0.002661   {}"
+    assert shape(row.format("token_is"), "x") == shape(row.format("none needed"), "x")
+    assert shape(row.format("token_is"), "x") != shape(row.format(""), "x")
 
 
 def headings_and_tables(text: str) -> tuple[list[str], list[str]]:

@@ -489,6 +489,7 @@ def _escape_run(tmp_path: Path, name: str = "run") -> Path:
     return make_run(tmp_path / name, seqs, setting=f"rollout=bf16{ESC} | train=fp32", model=ESC)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # a plot label's control character: no glyph
 def test_control_characters_are_escaped_in_every_renderer(tmp_path: Path) -> None:
     from mismatch_probe.gate.compare import load_comparison
     from mismatch_probe.pipeline.publish import publish

@@ -9,6 +9,7 @@ shared pool (``conftest.EnginePool``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +253,35 @@ def test_a_trajectory_submits_its_next_turn_when_its_own_turn_ends(prompts: list
     log = engine.log
     assert log.index(("submit", "turn-0-2")) < log.index(("finish", "turn-1-0"))
     assert [len(t.starts) for t in trajectories] == [3, 3] and not loop.pending
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_progress_keeps_counting_after_the_first_turn(prompts: list[Any], terminal: bool) -> None:
+    """The request loop advances the bar once per finished turn of every trajectory, turn 1+
+    included: plain lines name the counts past the first turns' requests, a terminal's bar ends
+    complete (a bar handed to turn 0's generate alone would stop at 2 of 6)."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from mismatch_probe.progress import make_progress, vllm_progress
+
+    three = next(p for p in prompts if p.turns is not None and p.turns.turns == 3)
+    trajectories = [turns._Trajectory(three, 0), turns._Trajectory(three, 1)]
+    out = io.StringIO()
+    progress = make_progress(Console(file=out, force_terminal=terminal, width=100))
+    with progress:
+        bar = vllm_progress(progress, "gen fp32", 6, "turns")(total=6)
+        engine = _ScriptedEngine({0: [1, 2, 1], 1: [3, 1, 2]})
+        turns._RequestLoop(SimpleNamespace(llm_engine=engine), SPEC, trajectories).run(bar)
+        bar.close()
+    if terminal:
+        (task,) = progress.tasks
+        assert task.completed == task.total == 6
+        assert "6/6" in out.getvalue()
+    else:
+        lines = out.getvalue().splitlines()
+        counted = [int(m.group(1)) for m in map(re.compile(r"gen fp32: (\d)/6").match, lines) if m]
+        assert counted == [1, 2, 3, 4, 5]  # turns 1 and 2 (requests 3..6) reported too
+        assert lines[-1].startswith("gen fp32: done, 6 turns in ")

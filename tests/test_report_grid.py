@@ -64,15 +64,15 @@ def test_failing_settings_and_checks_come_first_in_the_terminal() -> None:
 
 def test_matrix_table_one_row_per_setting_no_ratios() -> None:
     lines = printed(matrix_table(judge(SETTINGS)))
-    assert lines[0] == "Settings, least mismatch (k3_kl) first"
+    assert lines[0] == "Key numbers of every setting (the grid's order)"
     assert lines[2] == (
         "┃ setting                          ┃ verdict    ┃ tokens ┃ k3_kl ┃    kl ┃ chi2_token ┃"
         " f_tau_2 ┃ max |dp| ┃"
     )
-    assert lines[4:7] == [
+    assert lines[4:7] == [  # the grid's order: failing first, then least k3_kl
+        f"│ {FP8} │ ✘ FAIL 3/4 │    100 │ 0.004 │  -0.2 │        0.5 │   0.027 │    0.566 │",
         f"│ {FP32:<32} │ ✔ PASS     │    100 │     0 │     0 │          0 │       0 │        0 │",
         f"│ {BF16:<32} │ ✔ PASS     │    100 │ 5e-05 │ -0.01 │       0.02 │   0.005 │      0.2 │",
-        f"│ {FP8} │ ✘ FAIL 3/4 │    100 │ 0.004 │  -0.2 │        0.5 │   0.027 │    0.566 │",
     ]
     assert not any("×" in line for line in lines)  # no ratio to a near-zero identity
 
@@ -93,10 +93,10 @@ def test_markdown_grid_and_matrix_table() -> None:
         "| setting | verdict | `num_tokens` | `k3_kl` | `kl` | `chi2_token` | `f_tau_2` "
         "| `prob_abs_diff_max` |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        "| rollout=fp32 \\| train=fp32 | ✅ PASS | 100 | 0 | 0 | 0 | 0 | 0 |",
-        "| rollout=bf16 \\| train=fp32 | ✅ PASS | 100 | 5e-05 | -0.01 | 0.02 | 0.005 | 0.2 |",
         "| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 3/4 | 100 | 0.004 | -0.2 | 0.5 | 0.027 "
         "| 0.566 |",
+        "| rollout=fp32 \\| train=fp32 | ✅ PASS | 100 | 0 | 0 | 0 | 0 | 0 |",
+        "| rollout=bf16 \\| train=fp32 | ✅ PASS | 100 | 5e-05 | -0.01 | 0.02 | 0.005 | 0.2 |",
     ]
 
 
@@ -129,7 +129,7 @@ def test_report_judges_every_setting_at_the_top(
     heads = [line for line in text.splitlines() if line.startswith("## ")]
     assert heads[:3] == [
         "## Every setting judged",
-        "## Every setting, least mismatch (`k3_kl`) first",
+        "## Key numbers of every setting (the grid's order)",
         "## Settings",
     ]
     assert f"*The sections below describe one setting, {FP32.replace('|', chr(92) + '|')}" in text
@@ -137,7 +137,8 @@ def test_report_judges_every_setting_at_the_top(
         "| precisions | rollout=fp32 \\| train=fp32 (one of 3 settings; every setting is judged "
         "in the grid) |" in text
     )
-    first_row = text.split("| --- |")[1].splitlines()[1]
+    lines = text.splitlines()
+    first_row = lines[next(i for i, line in enumerate(lines) if line.startswith("| --- |")) + 1]
     assert first_row.startswith("| rollout=bf16,kv=fp8 \\| train=fp32 | ❌ FAIL 4/8 |")
     html = (matrix / "report.html").read_text()
     assert html.index("Every setting judged") < html.index("<h2>Verdicts</h2>")
@@ -192,14 +193,16 @@ def test_matrix_report_in_chromium(
     assert json.loads(wrapped) == []
 
 
-def test_scan_summary_judges_every_setting(matrix: Path) -> None:
-    """The scan's last word (``summary.render_summary``): the grid, then a verdict column."""
+def scan_outcome(matrix: Path) -> Any:
+    """What ``probe scan`` hands its renderer for ``matrix`` (``records.ScanResult``'s fields),
+    the view and entries loaded from the run directory, the settings in the scan's order."""
     from types import SimpleNamespace
 
-    from mismatch_probe.report.summary import render_summary
+    from mismatch_probe.rundir import load_report
 
-    settings = {name: {**m, "rollout_tokens_per_s": 10.0} for name, m in SETTINGS}
-    result = SimpleNamespace(
+    ctx, entries = load_report(matrix)
+    by_name = {e.label: {**e.metrics, "rollout_tokens_per_s": 10.0} for e in entries}
+    return SimpleNamespace(
         out_dir=matrix,
         paths={},
         run={
@@ -207,24 +210,96 @@ def test_scan_summary_judges_every_setting(matrix: Path) -> None:
             "sampling": {"logprobs_mode": "raw", "temperature": 1.0, "top_p": 1.0, "top_k": -1},
             "timings": {"generation": 1.0},
         },
-        settings=settings,
+        settings={name: by_name[name] for name in (FP32, BF16, FP8)},
         skipped={},
-        report=SimpleNamespace(routing={}, attribution={}),  # a dense run, no --attribute
+        report=ctx,
+        entries=entries,
     )
-    console = Console(file=io.StringIO(), width=140, force_terminal=False)
-    render_summary(result, console)  # type: ignore[arg-type]
-    lines = [line.rstrip() for line in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
-    assert lines[1] == f"1 of 3 settings fail a check: {FP8}."
-    assert lines[2] == "Verdicts of every setting (3 settings, failing first)"
-    table = lines[
-        lines.index("healthy when: kl |x| ≤ 0.1, f_tau_2 ≤ 0.01, max|dp| ≤ 0.5, χ² ≤ 1") + 1 :
-    ]
-    assert table[0].split()[:2] == ["setting", "verdict"]
-    assert table[1].startswith(FP32) and "✔ PASS" in table[1]
-    assert table[3].startswith(FP8) and "✘ FAIL 3/4" in table[3]
-    summary = next(line for line in lines[::-1] if line.startswith(FP8))  # the settings table
-    assert summary.split()[-8:] == ["100", "0.004", "-0.2", "0.5", "0.027", "0.566", "-", "10.0"]
-    # one format per metric: f_tau_2 reads 0.027 in the grid and the table (no "2.700%")
+
+
+def scan_lines(matrix: Path) -> list[str]:
+    from mismatch_probe.report.summary import render_scan
+
+    console = Console(file=io.StringIO(), width=200, force_terminal=False)
+    render_scan(scan_outcome(matrix), console)
+    return [line.rstrip() for line in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+
+
+def test_scan_leads_with_every_setting_judged(matrix: Path) -> None:
+    """A matrix scan opens with the grid (failing first, a recommendation for every setting in
+    it, the fp8 one's too), then the key numbers, then the reference setting's report."""
+    from mismatch_probe.report.grid import recommendation_cell
+
+    lines = scan_lines(matrix)
+    assert lines[0].startswith("✔ Data integrity: clean")  # integrity first, said once
+    assert sum("Data integrity" in line for line in lines) == 1
+    assert lines[1].startswith("mismatch_probe m ")
+    assert lines[2] == f"1 of 3 settings fail a check: {FP8}."
+    assert lines[3] == "Verdicts of every setting (3 settings, failing first)"
+    header = next(line for line in lines if line.lstrip().startswith("setting"))
+    assert header.split()[-1] == "recommendation"
+    _, entries = __import__("mismatch_probe.rundir", fromlist=["x"]).load_report(matrix)
+    for e in entries:
+        cell = recommendation_cell(e.tables["recommendation"])
+        row = next(line for line in lines if line.lstrip().startswith(e.label))  # the grid's
+        assert cell and row.endswith(cell)
+    grid_end = lines.index(next(line for line in lines if line.startswith("healthy when:")))
+    reference = next(i for i, line in enumerate(lines) if line.startswith("Recommendation for"))
+    assert grid_end < reference  # the details after every setting judged
+    assert not any(line.startswith("✔ PASS") for line in lines[:grid_end])
+    summary = next(line for line in lines[grid_end:] if line.startswith(FP8))  # key numbers
+    assert summary.split()[-8:-2] == ["10", "0.2493", "0.8", "-0.7981", "1", "0.2753"]
+
+
+EXPECTED = [FP8, FP32, BF16]  # failing first, then least k3_kl (neither the scan's nor k3's)
+
+
+def listings(lines: list[str]) -> list[list[str]]:
+    """Each run of consecutive lines that open with a setting (a table's rows, a list's items;
+    HTML tags and table borders aside): the settings they name, in order."""
+    names = sorted(EXPECTED, key=len, reverse=True)
+    found: list[list[str]] = [[]]
+    for line in lines:
+        text = re.sub(r"<[^>]*>", "", line).lstrip(" │|>\n").replace("\\|", "|")
+        hit = next((n for n in names if text.startswith(n)), None)
+        if hit is None:
+            found.append([])
+        else:
+            found[-1].append(hit)
+    return [f for f in found if len(f) > 1]
+
+
+def test_one_setting_order_everywhere(
+    matrix: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The scan's output, probe report's terminal, report.md, report.html and the PR comment
+    list the settings in one order (``rundir.order``) in every table and list of them."""
+    from mismatch_probe import cli
+
+    # no line wraps: a listed item is one line
+    monkeypatch.setattr(cli, "_stdout_console", lambda: Console(width=300))
+    code, terminal, _ = run_probe(["report", str(matrix)], monkeypatch, capsys)
+    assert code == 0
+    code, comment, _ = run_probe(
+        ["report", str(matrix), "--format", "pr-comment"], monkeypatch, capsys
+    )
+    assert code == 0
+    html = (matrix / "report.html").read_text()
+    html_rows = [row for table in html.split("<table")[1:] for row in table.split("<tr")]
+    outputs = {
+        "scan": scan_lines(matrix),
+        "report terminal": terminal.splitlines(),
+        "report.md": (matrix / "report.md").read_text().splitlines(),
+        "report.html": html_rows,
+        "pr comment": comment.splitlines(),
+    }
+    for name, lines in outputs.items():
+        found = listings(lines)
+        assert len(found) >= 2, name  # the grid and the key numbers at least
+        assert all(f == EXPECTED for f in found), (name, found)
+    md = (matrix / "report.md").read_text()
+    assert md.index("## Every setting judged") < md.index("**Recommendation for")
+    assert comment.index("Every setting judged") < comment.index("**Recommendation for")
 
 
 def test_setting_order_from_the_store_before_run_json(tmp_path: Path) -> None:

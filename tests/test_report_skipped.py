@@ -101,6 +101,7 @@ def test_scan_summary_counts_skipped_settings(tmp_path: Path) -> None:
         settings={name: {**METRICS, "rollout_tokens_per_s": 10.0} for name in RAN},
         skipped={name.split(" | ")[0]: REASON for name in SKIPPED},
         report=SimpleNamespace(routing={}, attribution={}),
+        entries=[],  # no recommendation to show
     )
     console = Console(file=io.StringIO(), width=200, force_terminal=False)
     render_summary(result, console)  # type: ignore[arg-type]

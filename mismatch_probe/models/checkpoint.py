@@ -98,3 +98,31 @@ def check_gguf(path: Path) -> None:
         raise ProbeError(f"cannot read {path}: {exc.strerror or exc}") from None
     if magic != GGUF_MAGIC:
         raise ProbeError(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+
+
+def save_checkpoint(model: Any, tokenizer: Any, tmp: Path, out: Path) -> None:
+    """``save_pretrained`` of ``model`` and ``tokenizer`` into ``tmp`` (a temporary directory
+    that becomes ``out``); a write that fails (a full disk: an ``OSError``, or safetensors'
+    ``SafetensorError`` wrapping one) is one line naming ``out`` and the cause.
+
+    Raises:
+        ProbeError: the write failed; the caller's atomic block removes ``tmp``.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    except (OSError, SafetensorError) as exc:
+        raise ProbeError(f"could not write the model to {out}: {write_failure(exc)}") from None
+
+
+def write_failure(exc: BaseException) -> str:
+    """An ``OSError``'s reason (``No space left on device``), or the first line of another
+    error's text (safetensors reports a full disk as ``IoError(... StorageFull ...)``)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = " ".join(str(exc).split())
+    if "StorageFull" in text or "No space left" in text:
+        return "No space left on device"
+    return text[:200] or type(exc).__name__

@@ -17,6 +17,7 @@ from typing import Any
 
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.models.checkpoint import save_checkpoint
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A language model predicts the next token.
@@ -132,8 +133,10 @@ def build_tiny_model(
     context (``max_position_embeddings``) is ``context`` tokens (``tied``: the LM head is the
     embedding, as in SmolLM2).
 
-    ``out`` is checked writable first; the files are saved into a hidden directory inside it and
-    each renamed into place when all are complete, so no partial file has a final name.
+    ``out`` is checked writable first (nothing is created until the model is built); the files
+    are saved into a hidden directory, inside ``out`` when it exists (its other files are kept)
+    or beside it, renamed into place when all are complete: a failed write (a full disk) is one
+    line and leaves no partial file, no empty ``out`` and no parent directory it made.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -141,7 +144,7 @@ def build_tiny_model(
 
     if arch not in ARCHS:
         raise ProbeError(f"unknown tiny architecture {arch!r}; choose from {', '.join(ARCHS)}")
-    store.writable_dir(out, "OUT")
+    store.check_writable(out, "OUT")
     tokenizer = build_tokenizer()
     config = ARCHS[arch](len(tokenizer), tokenizer.eos_token_id)
     config.max_position_embeddings = context
@@ -151,10 +154,18 @@ def build_tiny_model(
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one shard: a bar would only add noise
     try:
-        with store.atomic_files(out) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+        if out.is_dir():
+            with store.atomic_files(out) as tmp:
+                save_checkpoint(model, tokenizer, tmp, out)
+        else:
+            with store.made_parents(out), store.atomic_dir(out, is_checkpoint) as tmp:
+                save_checkpoint(model, tokenizer, tmp, out)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
     return out
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint was published at ``path`` (``store.atomic_dir`` publishes only whole ones)."""
+    return (path / "config.json").is_file()

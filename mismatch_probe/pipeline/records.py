@@ -107,7 +107,8 @@ class ScanResult:
             reference setting; the summary ranks them).
         skipped: rollout setting name -> why it did not run.
         report: the reference setting's loaded report.
-        entries: one per setting of a precision-matrix run, least mismatch first ([] for one).
+        entries: one per setting of a precision-matrix run, in the settings' order
+            (``rundir.order``; [] for one).
     """
 
     out_dir: Path

@@ -224,9 +224,9 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
     counts = verdict_counts([v.status for v in verdicts])
     top: list[tuple[str, list[str]]] = []
     if entries and len(entries) > 1:
-        from mismatch_probe.report.grid import every_setting_markdown, judge
+        from mismatch_probe.report.grid import every_setting_markdown, judge, recommendations_of
 
-        judged = judge([(e.label, e.metrics) for e in entries])
+        judged = judge([(e.label, e.metrics) for e in entries], recommendations_of(entries))
         held = len(ctx.settings)  # more than judged: a --setting choice
         grid = every_setting_markdown(judged, ctx.label, "####", of=held, skipped=ctx.skipped)
         top = [("Every setting", grid)]
@@ -238,7 +238,11 @@ def run_comment(ctx: RunContext, entries: Sequence[Entry] | None = None) -> str:
         line = headline(judge([(ctx.label, ctx.metrics)]), ctx.skipped)
         top = [("Skipped", [f"**{escape(line)}**", "", *skipped_markdown(ctx.skipped, "####")])]
     head = [*_header(ctx, f"Mismatch report: {model}"), *_integrity_lines(ctx), counts, ""]
-    head += decisions.recommendation_md(ctx.tables, ctx.setting)
+    recommendation = decisions.recommendation_md(ctx.tables, ctx.setting)
+    if entries and len(entries) > 1:  # every setting judged first, each with its own
+        top = [(title, [*lines, *recommendation]) for title, lines in top]
+    else:
+        head += recommendation
     head += layers.comment_lines(ctx.layer_curve(), ctx.layers)  # --layers
     parts = [
         ("Header", head),

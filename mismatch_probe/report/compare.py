@@ -142,7 +142,7 @@ def overlay_plots(
     for name, (title, draw) in OVERLAYS.items():
         fig, ax = new_figure()
         for e in entries:
-            draw(ax, e.curves, label=e.label)
+            draw(ax, e.curves, label=visible(e.label))  # a control character: no glyph
         ax.legend(fontsize=8)
         subtitle = f"{len(entries)} {what}; first: {entries[0].label}"
         subtitle = visible(f"{setting}: {subtitle}" if setting else subtitle)

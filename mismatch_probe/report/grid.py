@@ -1,20 +1,22 @@
 """Every setting of a precision-matrix run judged: the setting x verdict grid and the matrix table.
 
 The grid has a row per setting and a column per health check (``verdicts.HEALTH_CHECKS``), each
-cell the verdict and the value; failing cells come first (settings with more failing checks
-above, checks that fail somewhere to the left), so what needs attention is in the top-left
-corner. The matrix table has a row per setting (least mismatch first, the scan's summary is the
-model): its verdict, then the key numbers, no ratios (a ratio to a near-zero identity setting
-reads ``x1e+09`` and says nothing). Both work on ``(setting, flat metrics)`` pairs, so the scan's
-summary, ``probe report`` and the PR comment share them. Renderers of the three formats are here;
-numbers are written as each format writes them elsewhere (``sections.fmt`` in the terminal,
-``markdown.num`` in Markdown).
+cell the verdict and the value, and last the setting's recommendation (spec section 7: one per
+setting, in the grid) when the settings have theirs; failing cells come first (settings in the
+one order of ``rundir.order``: more failing checks above, then least ``k3_kl``; checks that fail
+somewhere to the left), so what needs attention is in the top-left corner. The matrix table has
+a row per setting in the same order: its verdict, then the key numbers, no ratios (a ratio to
+a near-zero identity setting reads ``x1e+09`` and says nothing). Both work on ``(setting, flat
+metrics)`` pairs, so the scan's summary, ``probe report`` and the PR comment share them.
+Renderers of the three formats are here; numbers are written as each format writes them
+elsewhere (``sections.fmt`` in the terminal, ``markdown.num`` in Markdown).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rich import box
 from rich.table import Table
@@ -23,6 +25,7 @@ from rich.text import Text
 from mismatch_probe.metrics.verdicts import FAIL, NA, PASS, HealthCheck, Verdict, evaluate
 from mismatch_probe.report.markdown import VERDICT_MARK, escape, num, skipped_markdown, table
 from mismatch_probe.report.sections import fmt, visible
+from mismatch_probe.rundir.order import in_setting_order
 
 # (metric, terminal header) of the matrix table, in order (the scan summary's key numbers);
 # Markdown and HTML head each column with the metric's name.
@@ -55,6 +58,7 @@ class Judged:
     setting: str
     metrics: dict[str, float]
     verdicts: tuple[Verdict, ...]
+    recommendation: str | None = None  # its grid cell (``recommendation_cell``), if it has one
 
     @property
     def failing(self) -> list[str]:
@@ -73,10 +77,47 @@ class Judged:
         return f"{FAIL} {len(self.failing)}/{computed}"
 
 
-def judge(settings: Sequence[tuple[str, dict[str, float]]]) -> list[Judged]:
-    """Every setting's verdicts, settings with more failing checks first (else given order)."""
-    judged = [Judged(name, m, tuple(evaluate(m))) for name, m in settings]
-    return sorted(judged, key=lambda j: -len(j.failing))
+# A recommendation's grid cell per outcome (``metrics.recommend.OUTCOMES``).
+RECOMMENDATION_CELLS = {
+    "investigate_first": "investigate first",
+    "none_needed": "none needed",
+    "preset": "{preset}",
+    "no_preset_fits": "no preset fits (closest {closest})",
+}
+
+
+def recommendation_cell(recommendation: Mapping[str, Any] | None) -> str | None:
+    """``token_is``, ``none needed``, ``no preset fits (closest seq_is)``: a setting's
+    recommendation (``tables["recommendation"]``) in a grid cell; None when it has none."""
+    if not recommendation or recommendation.get("outcome") not in RECOMMENDATION_CELLS:
+        return None
+    cell = RECOMMENDATION_CELLS[recommendation["outcome"]]
+    return cell.format(**{k: recommendation.get(k) or "none" for k in ("preset", "closest")})
+
+
+def judge(
+    settings: Sequence[tuple[str, dict[str, float]]],
+    recommendations: Mapping[str, Mapping[str, Any] | None] | None = None,
+) -> list[Judged]:
+    """Every setting's verdicts, in the settings' order (``rundir.order``: more failing checks
+    first, then least ``k3_kl``); ``recommendations``: setting -> its recommendation, shown in
+    the grid."""
+    recommendations = recommendations or {}
+    judged = [
+        Judged(name, m, tuple(evaluate(m)), recommendation_cell(recommendations.get(name)))
+        for name, m in settings
+    ]
+    return in_setting_order(judged, lambda j: j.setting, lambda j: j.metrics)
+
+
+def recommendations_of(entries: Sequence[Any]) -> dict[str, Any]:
+    """setting -> its recommendation, from entries (``rundir.Entry``: ``tables``)."""
+    return {e.label: e.tables.get("recommendation") for e in entries}
+
+
+def recommended(judged: Sequence[Judged]) -> bool:
+    """The grid has a recommendation column: a setting has its recommendation."""
+    return any(j.recommendation for j in judged)
 
 
 def check_order(judged: Sequence[Judged]) -> list[int]:
@@ -141,6 +182,8 @@ def grid_table(judged: Sequence[Judged]) -> Table:
     for check in checks:
         name = SHORT.get(check.metric, check.metric)
         grid.add_column(name, justify="right")
+    if recommended(judged):
+        grid.add_column("recommendation", overflow="fold")
     for j in judged:
         mark, style = TERMINAL_STYLE[j.status]
         cells = [Text(f"{mark} {j.summary()}", style=style)]
@@ -149,15 +192,20 @@ def grid_table(judged: Sequence[Judged]) -> Table:
             value = "—" if v.value is None else fmt(v.check.metric, v.value)
             mark_, style_ = TERMINAL_STYLE[v.status]
             cells.append(Text(f"{mark_} {value}", style=style_))
+        if recommended(judged):
+            cells.append(Text(visible(j.recommendation or "—"), style="bold"))
         grid.add_row(Text(visible(j.setting)), *cells)
     return grid
 
 
+MATRIX_TITLE = "Key numbers of every setting (the grid's order)"
+
+
 def matrix_table(judged: Sequence[Judged]) -> Table:
-    """One row per setting, least ``k3_kl`` first: verdict and key numbers, no ratios."""
-    rows = sorted(judged, key=lambda j: j.metrics.get("k3_kl", 0.0))
+    """One row per setting, in the grid's order: verdict and key numbers, no ratios."""
+    rows = list(judged)
     columns = [(k, h) for k, h in MATRIX_COLUMNS if any(k in j.metrics for j in rows)]
-    out = Table(title="Settings, least mismatch (k3_kl) first", title_justify="left")
+    out = Table(title=MATRIX_TITLE, title_justify="left")
     out.title_style = "bold"
     out.add_column("setting", min_width=12)
     out.add_column("verdict", no_wrap=True)
@@ -186,19 +234,22 @@ def grid_markdown(judged: Sequence[Judged]) -> list[str]:
     order = check_order(judged)
     checks = [judged[0].verdicts[i].check for i in order] if judged else []
     header = ["setting", "verdict", *(f"`{c.metric}` {escape(c.threshold)}" for c in checks)]
+    extra = ["recommendation"] if recommended(judged) else []
     rows = []
     for j in judged:
         cells = [f"{VERDICT_MARK[j.status]}" + j.summary().removeprefix(j.status)]
         for i in order:
             text, status = _cell(j.verdicts[i], num)
             cells.append(VERDICT_MARK[status] + text.removeprefix(status))
+        if extra:
+            cells.append(escape(j.recommendation or "—"))
         rows.append([escape(j.setting), *cells])
-    return table(header, rows, "ll" + "r" * len(checks))
+    return table([*header, *extra], rows, "ll" + "r" * len(checks) + "l" * len(extra))
 
 
 def matrix_markdown(judged: Sequence[Judged]) -> list[str]:
-    """The matrix table as a GitHub table (one row per setting, least mismatch first)."""
-    rows_ = sorted(judged, key=lambda j: j.metrics.get("k3_kl", 0.0))
+    """The matrix table as a GitHub table (one row per setting, in the grid's order)."""
+    rows_ = list(judged)
     columns = [(k, h) for k, h in MATRIX_COLUMNS if any(k in j.metrics for j in rows_)]
     header = ["setting", "verdict", *(f"`{k}`" for k, _ in columns)]
     rows = [
@@ -233,7 +284,7 @@ def every_setting_markdown(
         *grid_markdown(judged),
         "",
         *skipped_markdown(skipped, level),
-        f"{level} Every setting, least mismatch (`k3_kl`) first",
+        f"{level} {MATRIX_TITLE}",
         "",
         *matrix_markdown(judged),
         "",

@@ -159,17 +159,26 @@ def render_markdown(
     top: list[str] | None = None,
 ) -> str:
     """The whole ``report.md`` of a run; ``plots`` maps a name to (PNG path, title), linked
-    relative to ``base`` (the report's directory); the data integrity and the recommendation
-    come first, then ``top`` (every setting of a matrix run judged)."""
+    relative to ``base`` (the report's directory); the data integrity comes first, then the
+    recommendation, or for a matrix run ``top`` (every setting judged, each with its
+    recommendation) and then the recommendation of the setting the sections below describe."""
     from mismatch_probe.report import decisions
 
     title = f"# Mismatch report: {escape(ctx.run.get('model', {}).get('name', ctx.label))}"
+    recommendation = decisions.recommendation_md(ctx.tables, ctx.setting)
+    lead = (
+        [*top, *recommendation]
+        if top
+        else [
+            *recommendation,
+            *skipped_markdown(ctx.skipped, ran=max(len(ctx.settings), 1)),
+        ]
+    )
     lines = [
         title,
         "",
         *integrity_markdown(ctx.integrity),
-        *decisions.recommendation_md(ctx.tables, ctx.setting),
-        *(top if top else skipped_markdown(ctx.skipped, ran=max(len(ctx.settings), 1))),
+        *lead,
         *settings_section(ctx),
         *verdict_section(evaluate(ctx.metrics)),
     ]

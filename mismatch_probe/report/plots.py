@@ -21,6 +21,7 @@ import numpy as np
 
 from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.config import parse_is
+from mismatch_probe.metrics.decisions import K3_THRESHOLDS, RATIO_THRESHOLDS
 from mismatch_probe.report.png import save_png
 from mismatch_probe.report.sections import visible
 from mismatch_probe.rundir.context import RunContext
@@ -43,9 +44,19 @@ def new_figure() -> tuple[Figure, Axes]:
     return fig, fig.subplots()
 
 
+def panel_count(fig: Figure) -> int:
+    """How many panels ``fig`` holds (a twin axis shares its panel's place)."""
+    return len({(a.get_position().x0, a.get_position().y0) for a in fig.axes})
+
+
 def save(fig: Figure, path: Path, title: str, subtitle: str) -> Path:
-    fig.suptitle(title, fontsize=11, fontweight="bold")
-    fig.axes[0].set_title(subtitle, fontsize=8.5, color="0.35")
+    """The title over the figure, the subtitle over its one panel (or under the title when
+    there are several)."""
+    if panel_count(fig) > 1:
+        fig.suptitle(f"{title}\n{subtitle}", fontsize=10)
+    else:
+        fig.suptitle(title, fontsize=11, fontweight="bold")
+        fig.axes[0].set_title(subtitle, fontsize=8.5, color="0.35")
     return save_png(fig, path, DPI)
 
 
@@ -57,6 +68,17 @@ def plain_ticks(axis: Any, ticks: tuple[float, ...]) -> None:
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
     axis.set_minor_formatter(NullFormatter())
+
+
+# The largest magnitude a plot draws: a value beyond it (a clamped k3 of 1.8e308) is drawn at
+# the bound and labelled with its own value. Matplotlib's log-axis margins overflow float64 (a
+# RuntimeWarning on stderr, a collapsed layout) near the float range's end.
+DRAW_MAX = 1e100
+
+
+def drawable(values: Any) -> np.ndarray:
+    """``values`` clipped to ``[-DRAW_MAX, DRAW_MAX]`` (NaN stays NaN: matplotlib skips it)."""
+    return np.clip(np.asarray(values, dtype=np.float64), -DRAW_MAX, DRAW_MAX)
 
 
 def log_y(ax: Axes, values: np.ndarray, label: str) -> None:
@@ -265,61 +287,89 @@ def plot_prob_bins(fig: Figure, ax: Axes, ctx: RunContext) -> None:
     ax.legend(handles=handles, fontsize=8, loc="upper right")
 
 
+# One panel per threshold scale: U (mean k3 bound) for seq_mean_k3, C (ratio bound) for the rest.
+SWEEP_PANELS = (
+    ("U: bound on a sequence's mean k3 (log scale)", K3_THRESHOLDS, ("seq_mean_k3",)),
+    ("C: ratio bound (log scale)", RATIO_THRESHOLDS, ("token_tis", "token_icepop", "seq_is")),
+)
+# A distinct marker per family, drawn largest first: a curve lying on another stays visible.
+SWEEP_STYLE: dict[str, dict[str, Any]] = {
+    "seq_mean_k3": {"marker": "o", "markersize": 7, "color": "tab:red", "zorder": 2},
+    "seq_is": {"marker": "o", "markersize": 8, "color": "tab:green", "zorder": 2},
+    "token_icepop": {"marker": "s", "markersize": 5.5, "color": "tab:orange", "zorder": 3},
+    "token_tis": {"marker": "^", "markersize": 3.5, "color": "tab:blue", "zorder": 4},
+}
+SWEEP_LINTHRESH = 1e-3
+
+
+def split_axes(fig: Figure, ax: Axes, ratios: tuple[float, ...]) -> list[Axes]:
+    """Replace ``ax`` by one panel per entry of ``ratios`` (side by side, those widths)."""
+    grid = ax.get_subplotspec().subgridspec(1, len(ratios), width_ratios=ratios)  # type: ignore[union-attr]
+    ax.remove()
+    return [fig.add_subplot(grid[0, i]) for i in range(len(ratios))]
+
+
 def plot_threshold_sweep(fig: Figure, ax: Axes, ctx: RunContext) -> None:
-    """Masked share of tokens (solid) and sequences (dashed) per family against its threshold
-    (log x: C for the ratio families, U for seq_mean_k3), the presets' defaults marked."""
+    """Masked share of tokens (solid) and sequences (dashed) per family against its threshold,
+    one panel per threshold scale (U for seq_mean_k3, C for the ratio families, both log x),
+    the presets' defaults starred; the legend sits below both panels, over no curve."""
     from mismatch_probe.report.decisions import FAMILY_LABELS, preset_marks, sweep_by_family
 
     by_family = sweep_by_family(ctx.tables.get("threshold_sweep", []))
     marks = preset_marks()
-    for family, rows in by_family.items():
-        x = [r["threshold"] for r in rows]
-        (line,) = ax.plot(
-            x,
-            [r["token_fraction"] for r in rows],
-            marker="o",
-            markersize=3,
-            label=FAMILY_LABELS[family],
-        )
-        ax.plot(x, [r["seq_fraction"] for r in rows], linestyle="--", color=line.get_color())
-        for r in rows:
-            if (family, r["threshold"]) in marks:
-                star: dict[str, Any] = {"marker": "*", "markersize": 13, "markeredgecolor": "black"}
-                ax.plot(
-                    r["threshold"],
-                    r["token_fraction"],
-                    color=line.get_color(),
-                    linestyle="none",
-                    **star,
-                )
+    panels = split_axes(fig, ax, (1.0, 1.6))
+    star: dict[str, Any] = {"marker": "*", "markersize": 13, "markeredgecolor": "black"}
+    for panel, (xlabel, ticks, families) in zip(panels, SWEEP_PANELS, strict=True):
+        for family in families:
+            rows = by_family.get(family, [])
+            if not rows:
+                continue
+            style = SWEEP_STYLE[family]
+            x = [r["threshold"] for r in rows]
+            panel.plot(x, [r["token_fraction"] for r in rows], label=FAMILY_LABELS[family], **style)
+            panel.plot(  # the same marker, hollow: a sequence curve on another stays visible
+                x,
+                [r["seq_fraction"] for r in rows],
+                linestyle="--",
+                markerfacecolor="none",
+                **style,
+            )
+            for r in rows:
+                if (family, r["threshold"]) in marks:
+                    panel.plot(
+                        r["threshold"],
+                        r["token_fraction"],
+                        color=style["color"],
+                        linestyle="none",
+                        zorder=5,
+                        **star,
+                    )
+        panel.set_xscale("log")
+        plain_ticks(panel.xaxis, ticks)
+        panel.set_yscale("symlog", linthresh=SWEEP_LINTHRESH)
+        # a share of 0 drawn just above the bottom spine, not on it
+        panel.set_ylim(-0.3 * SWEEP_LINTHRESH, 1.05)
+        panel.margins(x=0.08)
+        panel.set_xlabel(xlabel, fontsize=8)
     pop = ctx.metrics.get("presets/token_icepop/token_masked_fraction")
     if pop is not None:  # the IcePop preset's bounds are not symmetric: its own value
-        ax.plot(
+        panels[1].plot(
             5.0,
             pop,
             marker="D",
             color="tab:orange",
             markeredgecolor="black",
             linestyle="none",
+            zorder=5,
             label="token_icepop preset [0.5, 5]",
         )
-    ax.plot(
-        [],
-        [],
-        marker="*",
-        markersize=11,
-        color="0.6",
-        markeredgecolor="black",
-        linestyle="none",
-        label="a preset's default",
-    )
-    ax.plot([], [], linestyle="--", color="0.4", label="dashed: share of sequences")
-    ax.set_xscale("log")
-    ax.set_yscale("symlog", linthresh=1e-3)
-    ax.set_ylim(0.0, 1.05)
-    ax.set_xlabel("threshold: U for seq_mean_k3 (left), C for the ratio families (right)")
-    ax.set_ylabel("share masked or truncated (symlog)")
-    ax.legend(fontsize=7, loc="upper center")
+    panels[0].set_ylabel("share masked or truncated (symlog)")
+    panels[1].tick_params(labelleft=False)
+    key = panels[1]
+    key.plot([], [], color="0.6", linestyle="none", label="a preset's default", **star)
+    key.plot([], [], linestyle="--", color="0.4", label="dashed: share of sequences")
+    handles = panels[0].get_legend_handles_labels()[0] + key.get_legend_handles_labels()[0]
+    fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncols=3)
 
 
 def plot_seq_weights(fig: Figure, ax: Axes, ctx: RunContext) -> None:
@@ -395,15 +445,16 @@ def write_k3_by_setting(entries: list[Any], path: Path) -> tuple[Path, str]:
     drawn = "the verdict bounds and " if bounds else ""
     title = f"k3_kl per setting (colour: its verdicts), {drawn}the none-needed bound"
     fig, ax = new_figure()
-    values = np.array([e.metrics["k3_kl"] for e in entries])
+    metric = np.array([e.metrics["k3_kl"] for e in entries], dtype=np.float64)
+    values = drawable(metric)
     failing = [sum(v.status == FAIL for v in evaluate(e.metrics)) for e in entries]
     colors = ["tab:green" if n == 0 else "tab:red" for n in failing]
     x = np.arange(len(entries))
     ax.bar(x, values, color=colors)
     for i, n in enumerate(failing):
-        ax.text(
-            i, values[i], f"{n} FAIL" if n else "all pass", ha="center", va="bottom", fontsize=7
-        )
+        said = f"{n} FAIL" if n else "all pass"
+        off = f"\n{metric[i]:.3g}, off the scale" if metric[i] != values[i] else ""
+        ax.text(i, values[i], said + off, ha="center", va="bottom", fontsize=7)
     ax.axhline(
         NONE_NEEDED_K3,
         color="0.3",
@@ -421,7 +472,8 @@ def write_k3_by_setting(entries: list[Any], path: Path) -> tuple[Path, str]:
     handles += [Patch(color="tab:red", label="a verdict fails")]
     ax.legend(handles=handles, fontsize=7, loc="upper left")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save(fig, path, title, f"{len(entries)} settings, least mismatch first"), title
+    order = "in the grid's order (failing first, then least k3_kl)"
+    return save(fig, path, title, f"{len(entries)} settings, {order}"), title
 
 
 PlotFn = Callable[["Figure", "Axes", RunContext], None]

@@ -1,10 +1,10 @@
 """The settings of one precision-matrix run, side by side (the compare views, inside a run).
 
 A run whose token store holds several ``setting`` values gets a comparison: one column per
-setting, least mismatch (``k3_kl``) first, with each setting's rollout throughput as measured
-during the scan (``settings.json``), a recommendation line, and the overlaid plots of
-``compare``. The entries are ``rundir.Entry`` records (``rundir.setting_entries`` loads them);
-this module renders them.
+setting in the settings' order (``rundir.order``: failing first, then least ``k3_kl``), with
+each setting's rollout throughput as measured during the scan (``settings.json``), a
+recommendation line, and the overlaid plots of ``compare``. The entries are ``rundir.Entry``
+records (``rundir.setting_entries`` loads them); this module renders them.
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ def recommendation(entries: list[Entry], number: Any = None) -> str:
     from mismatch_probe.report.sections import fmt
 
     number = number or fmt
-    best = entries[0]
+    best = min(entries, key=lambda e: e.metrics["k3_kl"])
     speed = best.metrics.get("rollout_tokens_per_s")
     cost = f", {speed:.1f} rollout tokens/s" if speed else ""
     return f"Lowest mismatch: {best.label} (k3_kl {number('k3_kl', best.metrics['k3_kl'])}{cost})."
 
 
 def judged(entries: list[Entry]) -> list[Any]:
-    """Every setting's verdicts (``grid.judge``), failing first."""
-    from mismatch_probe.report.grid import judge
+    """Every setting's verdicts and recommendation (``grid.judge``), in the settings' order."""
+    from mismatch_probe.report.grid import judge, recommendations_of
 
-    return judge([(e.label, e.metrics) for e in entries])
+    return judge([(e.label, e.metrics) for e in entries], recommendations_of(entries))
 
 
 def render_settings(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mismatch_probe.report.plots import DPI
+from mismatch_probe.report.plots import DPI, drawable
 from mismatch_probe.report.png import save_png
 from mismatch_probe.report.trend_table import label, render_markdown
 from mismatch_probe.rundir.context import RunContext
@@ -43,7 +43,7 @@ def write_trend_plot(trend: Trend, path: Path, subtitle: str) -> Path:
     for i, metric in enumerate(m for m in trend.series if m not in masked):
         color = f"C{i}"
         shift = OFFSET.get(metric, 0.0)
-        values = np.asarray(trend.series[metric], dtype=float) - shift
+        values = drawable(np.asarray(trend.series[metric], dtype=float) - shift)  # 1e300 too
         name = f"{metric} − 1" if shift else metric
         top.plot(steps, np.where(values > 0, values, np.nan), marker=".", color=color, label=name)
         check = threshold_of(metric)
@@ -60,7 +60,7 @@ def write_trend_plot(trend: Trend, path: Path, subtitle: str) -> Path:
     if masked:
         low = axes[1]
         for metric in masked:
-            low.plot(steps, trend.series[metric], marker=".", label=label(metric))
+            low.plot(steps, drawable(trend.series[metric]), marker=".", label=label(metric))
         low.set_ylabel("share of tokens masked")
         low.set_ylim(bottom=0.0)
         low.legend(fontsize=7.5, loc="best")

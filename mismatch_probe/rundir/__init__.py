@@ -11,7 +11,8 @@ Public API::
 
 ``ctx`` is a ``RunContext`` (one setting: metrics, curves, worst tokens and outliers in context,
 integrity findings, routing, attribution, trend); ``entries`` one ``Entry`` per setting of a
-precision-matrix run, least mismatch first. The scan's finishing step and ``probe ingest`` build
+precision-matrix run, in the one order of ``order.setting_key`` (failing first, then least
+``k3_kl``). The scan's finishing step and ``probe ingest`` build
 the view from what they computed (``RunData``); ``probe report`` reads it back (``read_data``,
 every file through the NaN-refusing ``store.read_json``). Either way the store itself is read
 only for what no data file holds: the worst tokens' text, their causes, a small run's token
@@ -37,6 +38,7 @@ from mismatch_probe.rundir.loader import (
     select_settings,
     setting_entries,
 )
+from mismatch_probe.rundir.order import in_setting_order, setting_key
 
 __all__ = [
     "Entry",
@@ -45,10 +47,12 @@ __all__ = [
     "RunData",
     "WorstToken",
     "build_report",
+    "in_setting_order",
     "load_report",
     "load_run",
     "read_data",
     "select_settings",
     "setting_entries",
+    "setting_key",
     "write_data",
 ]

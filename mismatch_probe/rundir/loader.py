@@ -25,6 +25,7 @@ from mismatch_probe.rundir.context import (
 )
 from mismatch_probe.rundir.data import RunData, read_data
 from mismatch_probe.rundir.integrity import run_integrity
+from mismatch_probe.rundir.order import in_setting_order
 from mismatch_probe.rundir.trend import build_trend, steps_of
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def build_report(
 ) -> tuple[RunContext, list[Entry]]:
     """What a report shows: the run (its reference setting when the store holds several), with
     its data-integrity findings and, for an ingested run, its trend; and, for a precision-matrix
-    run, one ``Entry`` per setting (least mismatch first).
+    run, one ``Entry`` per setting (in the settings' order, ``rundir.order``).
 
     Args:
         data: the run's data files, as the producer holds them in memory (the scan's finishing
@@ -127,7 +128,8 @@ def setting_entries(
     names: list[str] | None = None,
     integrity_errors: Sequence[str] = (),
 ) -> list[Entry]:
-    """One ``Entry`` per setting, least ``k3_kl`` first, with its rollout throughput
+    """One ``Entry`` per setting, in the settings' order (``order.setting_key``: failing first,
+    then least ``k3_kl``), with its rollout throughput
     (``data.throughput``); [] for a single-setting run.
 
     ``data.metrics`` computed with ``metrics_config`` (default config when None) are reused,
@@ -152,4 +154,4 @@ def setting_entries(
             flat["rollout_tokens_per_s"] = data.throughput[name]
         tables = decision_tables(data.run, metrics, integrity_errors)
         entries.append(Entry(name, flat, metrics["curves"], tables))
-    return sorted(entries, key=lambda e: e.metrics["k3_kl"])
+    return in_setting_order(entries, lambda e: e.label, lambda e: e.metrics)

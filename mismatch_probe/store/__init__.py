@@ -315,6 +315,20 @@ def atomic_files(folder: Path) -> Iterator[Path]:
 
 
 @contextmanager
+def made_parents(path: Path) -> Iterator[None]:
+    """Create the missing parents of ``path`` for the block; when the block fails, remove the
+    ones it created (a failed write leaves no empty directory behind)."""
+    missing = [p for p in path.parents if not p.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if missing:
+            shutil.rmtree(missing[-1], ignore_errors=True)
+        raise
+
+
+@contextmanager
 def atomic_dir(
     path: Path, complete: Callable[[Path], bool], replace: bool = False
 ) -> Iterator[Path]:
