@@ -22,6 +22,10 @@ import pytest
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothing downloads
+# pytest-xdist starts its workers with COLUMNS=80 and LINES=24, and probe's output honours COLUMNS
+# when stdout is no terminal: the tests read that output as a CI log has it, with neither set.
+for name in ("COLUMNS", "LINES"):
+    os.environ.pop(name, None)
 
 # The slowest modules, slowest first (measured with ``--durations``): scheduled before the rest.
 FIRST = (

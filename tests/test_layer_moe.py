@@ -56,6 +56,13 @@ def _tilt(layer: int, factors: np.ndarray, model: Any) -> None:
     weight.data.mul_(torch.as_tensor(factors, dtype=weight.dtype))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_dense_engine(engines: Any) -> None:
+    """The session pool's in-process engine (dense tiny model) closed first: alive, it keeps
+    vLLM's process-wide parallel groups, made without the expert-parallel group a MoE needs."""
+    engines.close()
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer

@@ -139,6 +139,13 @@ def qwen_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("routing") / "qwen3_moe", arch="qwen3_moe")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_dense_engine(engines: Any) -> None:
+    """The session pool's in-process engine (dense tiny model) closed first: alive, it keeps
+    vLLM's process-wide parallel groups, made without the expert-parallel group a MoE needs."""
+    engines.close()
+
+
 @pytest.fixture(scope="module")
 def fp32_trainer(qwen_moe: Path) -> Any:
     return rescore.load_model(qwen_moe, "float32")
