@@ -10,7 +10,7 @@ from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import PRESETS, RS_OPTIONS, MetricsConfig
 from mismatch_probe.metrics.config import RS_AGGREGATIONS, RS_ESTIMATORS, parse_is, parse_rs
 from mismatch_probe.metrics.rejection import AGGREGATIONS, ESTIMATORS
-from mismatch_probe.metrics.weights import LOG_WEIGHTS
+from mismatch_probe.metrics.weights import RAW_WEIGHTS
 
 
 def test_is_specs() -> None:
@@ -41,7 +41,7 @@ def test_rs_specs_in_statistic_space() -> None:
 
 def test_option_tables_match_the_option_names() -> None:
     assert set(AGGREGATIONS) == set(RS_AGGREGATIONS) and set(ESTIMATORS) == set(RS_ESTIMATORS)
-    assert set(LOG_WEIGHTS) == {"token", "sequence"}
+    assert set(RAW_WEIGHTS) == {"token", "sequence"}
     assert len(RS_OPTIONS) == 11 and "seq_max_k1" not in RS_OPTIONS
 
 

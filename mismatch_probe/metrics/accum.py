@@ -40,6 +40,19 @@ def merge_extremes(target: object, other: object, maxes: tuple[str, ...],
         setattr(target, name, min(getattr(target, name), getattr(other, name)))
 
 
+def uniform_hist(x: np.ndarray, bins: int, lo: float, hi: float) -> tuple[np.ndarray, int, int]:
+    """``np.histogram(x, bins, (lo, hi))`` counts (the same index arithmetic, so the same bin
+    for every value), plus the values below ``lo`` and above ``hi``, in one ``bincount``."""
+    edges = np.linspace(lo, hi, bins + 1)
+    f = np.clip((x - lo) / (hi - lo) * bins, 0.0, bins - 1.0)
+    idx = f.astype(np.intp)
+    idx -= x < edges[idx]
+    idx += (x >= edges[idx + 1]) & (idx != bins - 1)
+    slot = np.where(x < lo, -1, np.where(x > hi, bins, idx)) + 1
+    counts = np.bincount(slot, minlength=bins + 2)
+    return counts[1:-1], int(counts[0]), int(counts[-1])
+
+
 class Moments:
     """Count, mean, sum of squared deviations, min and max of a stream of values.
 
@@ -182,9 +195,9 @@ class Counts:
     valid_seqs: int = 0  # sequences with at least one valid token
 
     def update(self, b: TokenBatch) -> None:
-        self.tokens += int(b.m.sum())
+        self.tokens += int(np.count_nonzero(b.m))
         self.seqs += b.num_seqs
-        self.valid_seqs += int((b.n > 0).sum())
+        self.valid_seqs += int(np.count_nonzero(b.n > 0))
 
     def merge(self, other: Counts) -> None:
         merge_sums(self, other, ("tokens", "seqs", "valid_seqs"))

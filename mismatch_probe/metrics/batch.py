@@ -55,6 +55,8 @@ class TokenBatch(NamedTuple):
         sample_id: ``[S_b]`` int64 ``sample_id`` of each sequence, or None.
         entropy: ``[N]`` float64 ``train_entropy`` (nats; NaN where null or padding), or None
             when the store has no such column.
+        all_valid: True when ``m`` is True everywhere (the common case: a store without
+            padding), so the valid rows are the arrays themselves, no copy.
     """
 
     train: np.ndarray
@@ -73,19 +75,29 @@ class TokenBatch(NamedTuple):
     prompt_id: np.ndarray | None = None
     sample_id: np.ndarray | None = None
     entropy: np.ndarray | None = None
+    all_valid: bool = False  # every row is a valid token (no padding): ``valid(b, x)`` is ``x``
 
     @property
     def num_seqs(self) -> int:
         return len(self.starts)
 
 
-def normalize_logprobs(values: np.ndarray, valid: np.ndarray, name: str) -> np.ndarray:
-    """Float64 copy of ``values`` with the floor applied and padding set to 0.
+def normalize_logprobs(
+    values: np.ndarray, valid: np.ndarray, name: str, all_valid: bool = False
+) -> np.ndarray:
+    """Float64 copy of ``values`` with the floor applied and padding set to 0 (``all_valid``:
+    ``valid`` is True everywhere, so there is no padding to zero).
 
     Raises:
         ProbeError: a valid entry is NaN or ``+inf``.
     """
     x = np.asarray(values, dtype=np.float64)
+    if all_valid:  # one pass to check (NaN fails both comparisons), one to floor
+        if not (x < np.inf).all():
+            raise ProbeError(
+                f"{name} holds NaN or +inf in a response token (data integrity: nonfinite_logprob)"
+            )
+        return np.maximum(x, LOGPROB_FLOOR)
     bad = valid & (np.isnan(x) | (x == np.inf))
     if bad.any():
         raise ProbeError(
@@ -99,6 +111,8 @@ def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """Values (nulls as NaN) and the not-null mask of a numeric column."""
     col = table.column(name)
     valid = np.ones(len(col), dtype=bool) if col.null_count == 0 else ~pc.is_null(col).to_numpy()
+    if pa.types.is_floating(col.type):  # the store's float32: no Arrow cast, one numpy copy
+        return col.to_numpy(), valid
     try:
         values = pc.cast(col, pa.float64()).to_numpy()
     except pa.ArrowInvalid as exc:
@@ -106,14 +120,27 @@ def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return values, valid
 
 
+_FAST_INTS = (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32())
+
+
 def _int_column(table: pa.Table, name: str) -> np.ndarray:
     col = table.column(name)
     if col.null_count:
         raise ProbeError(f"column {name} holds nulls")
+    if col.type in _FAST_INTS:  # every value fits int64: a numpy cast
+        return np.asarray(col.to_numpy(), dtype=np.int64)
     try:
         return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)
     except pa.ArrowInvalid as exc:  # e.g. a uint64 beyond int64
         raise ProbeError(f"column {name} does not hold int64 integers ({exc})") from None
+
+
+def _bool_column(table: pa.Table, name: str) -> np.ndarray:
+    """``[N]`` bool, nulls as False."""
+    col = table.column(name)
+    if col.null_count:
+        col = pc.fill_null(col, False)
+    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def batch_from_table(table: pa.Table) -> TokenBatch:
@@ -126,18 +153,17 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
     train_raw, train_ok = _column(table, "train_logprob")
     rollout_raw, rollout_ok = _column(table, "rollout_logprob")
     m = train_ok & rollout_ok
-    train = normalize_logprobs(train_raw, m, "train_logprob")
-    rollout = normalize_logprobs(rollout_raw, m, "rollout_logprob")
+    all_valid = bool(m.all())
+    train = normalize_logprobs(train_raw, m, "train_logprob", all_valid)
+    rollout = normalize_logprobs(rollout_raw, m, "rollout_logprob", all_valid)
     r = train - rollout
     change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
     starts = np.concatenate([[0], change]).astype(np.int64)
-    seg = np.zeros(len(seq), dtype=np.int64)
-    seg[change] = 1
-    seg = np.cumsum(seg)
-    flip = None
-    if "support_flip" in table.column_names:
-        flip = pc.fill_null(table.column("support_flip"), False).to_numpy().astype(bool)
+    lengths = np.diff(np.append(starts, len(seq)))
+    seg = np.repeat(np.arange(len(starts), dtype=np.int64), lengths)
+    n = lengths.astype(np.float64) if all_valid else np.add.reduceat(m.astype(np.float64), starts)
     names = table.column_names
+    flip = _bool_column(table, "support_flip") if "support_flip" in names else None
     token_id = _int_column(table, "token_id") if "token_id" in names else None
     ids = {k: _int_column(table, k)[starts] for k in ("prompt_id", "sample_id") if k in names}
     return TokenBatch(
@@ -147,8 +173,8 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
         m=m,
         seg=seg,
         starts=starts,
-        n=np.bincount(seg, weights=m, minlength=len(starts)),
-        s=np.bincount(seg, weights=r, minlength=len(starts)),  # r is 0 at padding
+        n=n,
+        s=_reduce_seq(r, starts),  # r is 0 at padding
         seq_id=seq[starts],
         position=_int_column(table, "position"),
         flip=flip,
@@ -157,6 +183,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
         prompt_id=ids.get("prompt_id"),
         sample_id=ids.get("sample_id"),
         entropy=_entropy_column(table, m) if "train_entropy" in names else None,
+        all_valid=all_valid,
     )
 
 
@@ -172,9 +199,20 @@ def prob(logprob: np.ndarray) -> np.ndarray:
     return np.exp(np.minimum(logprob, 0.0))
 
 
+def _reduce_seq(x: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``[N] -> [S_b]`` sum over each sequence's rows (contiguous; none empty, except the one
+    "sequence" of a table without rows)."""
+    return np.add.reduceat(x, starts) if len(x) else np.zeros(len(starts))
+
+
+def valid(b: TokenBatch, x: np.ndarray) -> np.ndarray:
+    """``x`` at the valid rows only: ``x`` itself (no copy) when every row is valid."""
+    return x if b.all_valid else x[b.m]
+
+
 def seg_sum(b: TokenBatch, x: np.ndarray) -> np.ndarray:
     """``msum_i(x)``: ``[N] -> [S_b]`` sum over each sequence's valid tokens."""
-    return np.bincount(b.seg, weights=np.where(b.m, x, 0.0), minlength=b.num_seqs)
+    return _reduce_seq(x if b.all_valid else np.where(b.m, x, 0.0), b.starts)
 
 
 def seg_mean(b: TokenBatch, x: np.ndarray) -> np.ndarray:
@@ -184,8 +222,23 @@ def seg_mean(b: TokenBatch, x: np.ndarray) -> np.ndarray:
 
 def seg_max(b: TokenBatch, x: np.ndarray) -> np.ndarray:
     """``[N] -> [S_b]`` max over each sequence's valid tokens (0 for an empty sequence)."""
+    if b.all_valid and len(x):
+        return np.maximum.reduceat(x, b.starts)
     out = np.maximum.reduceat(np.where(b.m, x, -np.inf), b.starts)
     return np.where(b.n > 0, out, 0.0)
+
+
+def seg_min(b: TokenBatch, x: np.ndarray) -> np.ndarray:
+    """``[N] -> [S_b]`` min over each sequence's valid tokens (0 for an empty sequence)."""
+    if b.all_valid and len(x):
+        return np.minimum.reduceat(x, b.starts)
+    out = np.minimum.reduceat(np.where(b.m, x, np.inf), b.starts)
+    return np.where(b.n > 0, out, 0.0)
+
+
+def count(mask: np.ndarray) -> int:
+    """Number of True entries of a bool array (``count_nonzero``: no int64 sum)."""
+    return int(np.count_nonzero(mask))
 
 
 def clamp_b(x: np.ndarray) -> np.ndarray:
@@ -228,6 +281,18 @@ def clamped_k3(b: TokenBatch, _: None = None) -> np.ndarray:
 
 
 @per_batch
+def clamped_rho(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``rho = exp(clampB(r))`` (1 at padding)."""
+    return np.exp(clamped_r(b, None))
+
+
+@per_batch
+def abs_r(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``|r|``."""
+    return np.abs(b.r)
+
+
+@per_batch
 def probs(b: TokenBatch, _: None = None) -> tuple[np.ndarray, np.ndarray]:
     """``([N], [N])`` ``prob(train)``, ``prob(rollout)``."""
     return prob(b.train), prob(b.rollout)
@@ -260,6 +325,22 @@ def positions_ascending(b: TokenBatch, _: None = None) -> bool:
 def first_rows(b: TokenBatch, rows: np.ndarray) -> np.ndarray:
     """``[N]`` bool: among ``rows``, the one of smallest position in each sequence (ties: the
     first in row order)."""
+    if rows is b.m:
+        return first_valid_rows(b, None)
+    return _first_rows(b, rows)
+
+
+@per_batch
+def first_valid_rows(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``first_rows(b, b.m)``: each valid sequence's first valid token (by position)."""
+    if b.all_valid and positions_ascending(b, None):  # each sequence's first row
+        first = np.zeros(len(b.m), dtype=bool)
+        first[b.starts[b.n > 0]] = True
+        return first
+    return _first_rows(b, b.m)
+
+
+def _first_rows(b: TokenBatch, rows: np.ndarray) -> np.ndarray:
     idx = np.flatnonzero(rows)
     first = np.zeros(len(rows), dtype=bool)
     if not len(idx):

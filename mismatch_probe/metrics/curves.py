@@ -25,8 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import CoMoments, Counts, merge_sums
-from mismatch_probe.metrics.batch import TokenBatch, abs_prob_diff, clamped_k3, probs
+from mismatch_probe.metrics.accum import CoMoments, Counts, merge_sums, uniform_hist
+from mismatch_probe.metrics.batch import (
+    TokenBatch,
+    abs_prob_diff,
+    abs_r,
+    clamped_k3,
+    probs,
+    valid,
+)
 
 LOG_RATIO_RANGE = (-3.0, 3.0)
 LOG_RATIO_BINS = 121
@@ -42,6 +49,35 @@ def bin_index(values: np.ndarray, edges: tuple[float, ...], open_last: bool) -> 
     """Bin of each value: ``edges[i] <= x < edges[i+1]``; the last bin takes the rest."""
     nbins = len(edges) if open_last else len(edges) - 1
     return np.clip(np.searchsorted(edges, values, side="right") - 1, 0, nbins - 1)
+
+
+def _position_lookup() -> np.ndarray:
+    """``bin_index`` of every position ``0 .. POSITION_EDGES[-1]`` (a position beyond is in the
+    open last bin, as the last entry)."""
+    return bin_index(np.arange(POSITION_EDGES[-1] + 1), POSITION_EDGES, open_last=True)
+
+
+_POSITION_BIN = _position_lookup()
+_PROB_EDGES = np.array(PROB_EDGES)
+_PROB_SCALE = 1000  # every PROB_EDGES entry is a multiple of 1/1000
+_PROB_GUESS = bin_index(np.arange(_PROB_SCALE + 1) / _PROB_SCALE, PROB_EDGES, open_last=False)
+
+
+def position_bin(position: np.ndarray) -> np.ndarray:
+    """``bin_index(position, POSITION_EDGES, open_last=True)`` by table lookup."""
+    return _POSITION_BIN[np.clip(position, 0, POSITION_EDGES[-1])]
+
+
+def prob_bin(p: np.ndarray) -> np.ndarray:
+    """``bin_index(p, PROB_EDGES, open_last=False)`` for probabilities: the bin of
+    ``floor(1000 p) / 1000`` (off by at most one bin where ``1000 p`` rounds across an integer),
+    corrected by comparing with the edges themselves."""
+    nbins = len(PROB_EDGES) - 1
+    guess = np.clip(p * _PROB_SCALE, 0.0, float(_PROB_SCALE)).astype(np.intp)
+    idx = _PROB_GUESS[guess]
+    idx -= (p < _PROB_EDGES[idx]) & (idx > 0)
+    idx += (idx < nbins - 1) & (p >= _PROB_EDGES[idx + 1])
+    return idx
 
 
 def prob_hist2d(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -69,8 +105,8 @@ class BinnedStats:
         self.count = np.zeros(self.nbins, dtype=np.int64)
         self.sums = {name: np.zeros(self.nbins) for name in _BIN_SUMS}
 
-    def add(self, keys: np.ndarray, values: dict[str, np.ndarray]) -> None:
-        idx = bin_index(keys, self.edges, self.open_last)
+    def add(self, idx: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """Add the values of rows in bins ``idx`` (``bin_index`` of their keys)."""
         self.count += np.bincount(idx, minlength=self.nbins)
         for name in _BIN_SUMS:
             self.sums[name] += np.bincount(idx, weights=values[name], minlength=self.nbins)
@@ -111,34 +147,33 @@ class CurvesAccumulator:
         self.sample = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
 
     def update(self, b: TokenBatch) -> None:
-        m = b.m
-        r = b.r[m]
-        lo, hi = LOG_RATIO_RANGE
-        self.hist += np.histogram(r, bins=LOG_RATIO_BINS, range=LOG_RATIO_RANGE)[0]
-        self.under += int((r < lo).sum())
-        self.over += int((r > hi).sum())
+        r = valid(b, b.r)
+        hist, under, over = uniform_hist(r, LOG_RATIO_BINS, *LOG_RATIO_RANGE)
+        self.hist += hist
+        self.under += under
+        self.over += over
         p_train_all, p_rollout_all = probs(b, None)
-        p_rollout, p_train = p_rollout_all[m], p_train_all[m]
+        p_rollout, p_train = valid(b, p_rollout_all), valid(b, p_train_all)
         self.hist2d += prob_hist2d(p_rollout, p_train)
         values = {
             "log_ratio": r,
-            "abs_log_ratio": np.abs(r),
-            "k3": clamped_k3(b, None)[m],
-            "prob_abs_diff": abs_prob_diff(b, None)[m],
+            "abs_log_ratio": valid(b, abs_r(b, None)),
+            "k3": valid(b, clamped_k3(b, None)),
+            "prob_abs_diff": valid(b, abs_prob_diff(b, None)),
         }
-        self.by_position.add(b.position[m], values)
-        self.by_prob.add(p_rollout, values)
+        self.by_position.add(position_bin(valid(b, b.position)), values)
+        self.by_prob.add(prob_bin(p_rollout), values)
         self._update_worst(b)
         self._update_line(b)
 
     def _update_worst(self, b: TokenBatch) -> None:
         rows = np.flatnonzero(b.m)
-        abs_r = np.abs(b.r[rows])
+        abs_lr = abs_r(b, None)[rows]
         if len(rows) > WORST_TOKENS:  # keep every row tied with the k-th largest |r|
-            kth = np.partition(abs_r, len(rows) - WORST_TOKENS)[len(rows) - WORST_TOKENS]
-            rows, abs_r = rows[abs_r >= kth], abs_r[abs_r >= kth]
+            kth = np.partition(abs_lr, len(rows) - WORST_TOKENS)[len(rows) - WORST_TOKENS]
+            rows, abs_lr = rows[abs_lr >= kth], abs_lr[abs_lr >= kth]
         seq_ids = b.seq_id[b.seg[rows]]
-        order = np.lexsort((b.position[rows], seq_ids, -abs_r))[:WORST_TOKENS]
+        order = np.lexsort((b.position[rows], seq_ids, -abs_lr))[:WORST_TOKENS]
         candidates = [_token_record(b, int(row)) for row in rows[order]]
         merged = sorted(self.worst + candidates, key=_worst_key)
         self.worst = merged[:WORST_TOKENS]

@@ -35,16 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts, merge_sums, mmean
+from mismatch_probe.metrics.accum import Counts, merge_sums, mmean, uniform_hist
 from mismatch_probe.metrics.batch import (
     EPS,
     TokenBatch,
     clamp_b,
     clamped_k3,
-    clamped_r,
+    clamped_rho,
+    count,
     per_batch,
     seg_max,
     seg_mean,
+    seg_min,
+    valid,
 )
 
 CLIP_EPS = (0.2, 0.28)
@@ -58,10 +61,9 @@ def clip_key(eps: float) -> str:
     return f"clip_fraction_{eps:g}"
 
 
-@per_batch
 def _rho(b: TokenBatch, _: None = None) -> np.ndarray:
     """``[N]`` ``rho = exp(clampB(r))`` (memoised on the batch)."""
-    return np.exp(clamped_r(b, None))
+    return clamped_rho(b, None)
 
 
 @per_batch
@@ -88,11 +90,10 @@ def _token_counts(
     """Token-level family: masked tokens per threshold, and sequences holding one (from the
     per-sequence max / min of rho: a sequence holds a masked token iff its extreme is)."""
     rho = _rho(b, None)
-    valid, seqs = rho[b.m], b.n > 0
-    hi = seg_max(b, rho)
-    lo = -seg_max(b, -rho)
-    tokens = [int(hit(valid, t).sum()) for t in thresholds]
-    sequences = [int((seqs & (hit(hi, t) | hit(lo, t))).sum()) for t in thresholds]
+    on_valid, seqs = valid(b, rho), b.n > 0
+    hi, lo = seg_max(b, rho), seg_min(b, rho)
+    tokens = [count(hit(on_valid, t)) for t in thresholds]
+    sequences = [count(seqs & (hit(hi, t) | hit(lo, t))) for t in thresholds]
     return tokens, sequences  # fmt: skip
 
 
@@ -129,20 +130,20 @@ class DecisionAccumulator:
         self.under = self.over = 0
 
     def update(self, b: TokenBatch) -> None:
-        dev = np.abs(_rho(b, None)[b.m] - 1.0)
-        self.n_clip += [int((dev > eps).sum()) for eps in CLIP_EPS]
+        dev = np.abs(valid(b, _rho(b, None)) - 1.0)
+        self.n_clip += [count(dev > eps) for eps in CLIP_EPS]
         tokens, seqs = [], []
-        for thresholds, count in FAMILIES.values():
-            t, q = count(b, thresholds)
+        for thresholds, counter in FAMILIES.values():
+            t, q = counter(b, thresholds)
             tokens += t
             seqs += q
         self.n_tok += tokens
         self.n_seq += seqs
         s = b.s[b.n > 0]
-        lo, hi = SEQ_WEIGHT_RANGE
-        self.hist += np.histogram(s, bins=SEQ_WEIGHT_BINS, range=SEQ_WEIGHT_RANGE)[0]
-        self.under += int((s < lo).sum())
-        self.over += int((s > hi).sum())
+        hist, under, over = uniform_hist(s, SEQ_WEIGHT_BINS, *SEQ_WEIGHT_RANGE)
+        self.hist += hist
+        self.under += under
+        self.over += over
 
     def merge(self, other: DecisionAccumulator) -> None:
         merge_sums(self, other, ("n_clip", "n_tok", "n_seq", "hist", "under", "over"))

@@ -24,10 +24,13 @@ from mismatch_probe.metrics.accum import CoMoments, Counts, merge_extremes, merg
 from mismatch_probe.metrics.batch import (
     TokenBatch,
     abs_prob_diff,
+    abs_r,
     clamped_k3,
+    count,
     prob,
     probs,
     seg_max,
+    valid,
 )
 
 SPEC_TAUS = (1.01, 1.1, 1.5, 2.0, 5.0, 10.0)
@@ -68,30 +71,27 @@ class DiagnosticsAccumulator:
         self.sum_k3 = self.n_flip = self.flip_abs_r = self.flip_k3 = 0.0
 
     def update(self, b: TokenBatch) -> None:
-        m = b.m
-        r = b.r[m]
         dp_all = abs_prob_diff(b, None)
-        dp = dp_all[m]
-        abs_r = np.abs(r)
-        self.sum_abs_r += float(abs_r.sum())
+        dp, abs_lr = valid(b, dp_all), valid(b, abs_r(b, None))
+        self.sum_abs_r += float(abs_lr.sum())
         self.sum_dp += float(dp.sum())
-        if len(r):
-            self.max_abs_r = max(self.max_abs_r, float(abs_r.max()))
+        if len(dp):
+            self.max_abs_r = max(self.max_abs_r, float(abs_lr.max()))
             self.max_dp = max(self.max_dp, float(dp.max()))
         seq_dp = seg_max(b, dp_all)
         self.sum_seq_dp_max += float(seq_dp.sum())
-        self.n_seq_dp_high += int((seq_dp > SEQ_DP_LIMIT).sum())
+        self.n_seq_dp_high += count(seq_dp > SEQ_DP_LIMIT)
         p_train, p_rollout = probs(b, None)
-        self.probs.add(p_train[m], p_rollout[m])
-        spread = ratio_spread(r)
-        self.n_tau += [int((spread > tau).sum()) for tau in TAU_GRID]
-        self.n_ipo += [int((dp > eps).sum()) for eps in IPO_EPS]
+        self.probs.add(valid(b, p_train), valid(b, p_rollout))
+        spread = np.exp(np.minimum(abs_lr, 700.0))  # ratio_spread
+        self.n_tau += [count(spread > tau) for tau in TAU_GRID]
+        self.n_ipo += [count(dp > eps) for eps in IPO_EPS]
         if self.has_flip and b.flip is not None:
-            k3 = clamped_k3(b, None)[m]
-            flip = b.flip[m]
+            k3 = valid(b, clamped_k3(b, None))
+            flip = valid(b, b.flip)
             self.sum_k3 += float(k3.sum())
-            self.n_flip += float(flip.sum())
-            self.flip_abs_r += float(abs_r[flip].sum())
+            self.n_flip += float(count(flip))
+            self.flip_abs_r += float(abs_lr[flip].sum())
             self.flip_k3 += float(k3[flip].sum())
 
     def merge(self, other: DiagnosticsAccumulator) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mmean
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, per_batch, seg_mean
+from mismatch_probe.metrics.batch import TokenBatch, clamp_b, clamped_rho, per_batch, seg_mean, valid
 
 PPL_KEYS = ("training_ppl", "rollout_ppl", "ppl_ratio")
 _OFFPOLICY_SUMS = ("sum_neg_r", "sum_k3", "sum_rho2", "sum_ppl_train", "sum_lppl_train",
@@ -35,6 +35,12 @@ def batch_k3(b: TokenBatch, _: None = None) -> np.ndarray:
     return k3_terms(b.r)
 
 
+@per_batch
+def valid_k3_sum(b: TokenBatch, _: None = None) -> float:
+    """The sum of ``batch_k3`` over the valid rows (``k3_kl``'s numerator, shared)."""
+    return float(valid(b, batch_k3(b, None)).sum())
+
+
 class OffPolicyAccumulator:
     """Streams kl, k3_kl, the perplexities, log-ppl differences and chi-square metrics."""
 
@@ -46,10 +52,10 @@ class OffPolicyAccumulator:
         self.sum_abs_d = self.sum_exp_d = self.sum_rho2_seq = 0.0
 
     def update(self, b: TokenBatch) -> None:
-        m = b.m
-        self.sum_neg_r += float((b.rollout - b.train)[m].sum())
-        self.sum_k3 += float(batch_k3(b, None)[m].sum())
-        self.sum_rho2 += float((np.exp(clamp_b(b.r[m])) ** 2).sum())
+        self.sum_neg_r += float(valid(b, b.rollout - b.train).sum())
+        self.sum_k3 += valid_k3_sum(b, None)
+        rho = valid(b, clamped_rho(b, None))
+        self.sum_rho2 += float((rho * rho).sum())
         mean_train, mean_rollout = seg_mean(b, b.train), seg_mean(b, b.rollout)
         d = mean_rollout - mean_train
         with np.errstate(over="ignore"):

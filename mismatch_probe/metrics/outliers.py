@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mismatch_probe.metrics.accum import Counts
-from mismatch_probe.metrics.batch import TokenBatch, seg_sum
+from mismatch_probe.metrics.batch import TokenBatch, abs_r, positions_ascending, seg_sum
 from mismatch_probe.metrics.decisions import token_k3
 
 TOP_OUTLIERS = 20
@@ -61,9 +61,12 @@ class OutlierAccumulator:
     def _record(b: TokenBatch, i: int, k3_sum: float) -> dict[str, Any]:
         start = int(b.starts[i])
         stop = int(b.starts[i + 1]) if i + 1 < b.num_seqs else len(b.m)
-        rows = start + np.flatnonzero(b.m[start:stop])
-        abs_r = np.abs(b.r[rows])
-        worst = rows[np.lexsort((b.position[rows], -abs_r))[0]]
+        if b.all_valid and positions_ascending(b, None):  # the first largest |r| in row order
+            worst = start + int(np.argmax(abs_r(b, None)[start:stop]))
+        else:
+            rows = start + np.flatnonzero(b.m[start:stop])
+            abs_lr = abs_r(b, None)[rows]
+            worst = rows[np.lexsort((b.position[rows], -abs_lr))[0]]
         return {
             "seq_id": int(b.seq_id[i]),
             "prompt_id": _id(b.prompt_id, i),

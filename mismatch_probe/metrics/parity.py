@@ -34,12 +34,15 @@ from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mm
 from mismatch_probe.metrics.batch import (
     LOGPROB_FLOOR,
     TokenBatch,
+    abs_r,
     clamp_b,
-    first_rows,
+    count,
+    first_valid_rows,
     per_batch,
     seg_mean,
+    valid,
 )
-from mismatch_probe.metrics.offpolicy import batch_k3, k3_terms
+from mismatch_probe.metrics.offpolicy import batch_k3, k3_terms, valid_k3_sum
 
 DIFFERENT_ABS_LOG_RATIO = 1e-6  # TorchTitan's bitwise-parity threshold on |r|
 NEMO_MULT_PROB_ERROR_LIMIT = 1.05  # NeMo-RL docs, "Adding New Models", expected error threshold
@@ -52,7 +55,7 @@ def mult_prob_error(r: np.ndarray) -> np.ndarray:
 
 def first_token_rows(b: TokenBatch) -> np.ndarray:
     """``[N]`` bool: the valid row of smallest position in each valid sequence."""
-    return first_rows(b, b.m)
+    return first_valid_rows(b, None)
 
 
 @per_batch
@@ -73,19 +76,19 @@ class ParityAccumulator:
 
     def update(self, b: TokenBatch) -> None:
         m = b.m
-        r = b.r[m]
+        r, abs_lr = valid(b, b.r), abs_r(b, None)
         mult = batch_mult(b, None)
-        self.sum_mult += float(mult[m].sum())
+        self.sum_mult += float(valid(b, mult).sum())
         self.sum_k3_rev += float(k3_terms(-r).sum())
-        self.n_identical += int((b.train[m] == b.rollout[m]).sum())
-        self.n_different += int((np.abs(r) > DIFFERENT_ABS_LOG_RATIO).sum())
+        self.n_identical += count(valid(b, b.train) == valid(b, b.rollout))
+        self.n_different += count(valid(b, abs_lr) > DIFFERENT_ABS_LOG_RATIO)
         self.seq_mult.add(seg_mean(b, mult)[b.n > 0])
         first = first_token_rows(b)
         rest = m & ~first
-        self.first_sum += float(np.abs(b.r[first]).sum())
-        self.rest_sum += float(np.abs(b.r[rest]).sum())
-        self.first_n += int(first.sum())
-        self.rest_n += int(rest.sum())
+        self.first_sum += float(abs_lr[first].sum())
+        self.rest_sum += float(abs_lr[rest].sum())
+        self.first_n += count(first)
+        self.rest_n += count(rest)
 
     def merge(self, other: ParityAccumulator) -> None:
         merge_sums(self, other, ("sum_mult", "sum_k3_rev", "n_identical", "n_different",
@@ -151,14 +154,14 @@ class ParityBlockAccumulator:
         self.sum_k3 = 0.0
 
     def update(self, b: TokenBatch) -> None:
-        m = b.m
-        train, rollout = b.train[m].astype(np.float32), b.rollout[m].astype(np.float32)
-        self.mismatches += int((train != rollout).sum())
+        train = valid(b, b.train).astype(np.float32)
+        rollout = valid(b, b.rollout).astype(np.float32)
+        self.mismatches += count(train != rollout)
         if len(train):
             self.max_absdiff = max(self.max_absdiff, float(np.abs(train - rollout).max()))
-            k3 = batch_k3(b, None)[m]
+            k3 = valid(b, batch_k3(b, None))
             self.k3_max = max(self.k3_max, float(k3.max()))
-            self.sum_k3 += float(k3.sum())  # as OffPolicyAccumulator sums it
+            self.sum_k3 += valid_k3_sum(b, None)  # OffPolicyAccumulator's own sum
 
     def merge(self, other: ParityBlockAccumulator) -> None:
         merge_sums(self, other, ("mismatches", "sum_k3"))

@@ -18,23 +18,29 @@ from __future__ import annotations
 import numpy as np
 
 from mismatch_probe.metrics.accum import Counts, eff_sample_size, merge_sums, mmean
-from mismatch_probe.metrics.batch import TokenBatch, per_batch, valid_float
+from mismatch_probe.metrics.batch import TokenBatch, count, per_batch, seg_sum, valid_float
 from mismatch_probe.metrics.config import ISSpec, PresetSpec
 from mismatch_probe.metrics.presets import PRESET_PREFIX
-from mismatch_probe.metrics.rejection import dropped_seqs, rs_keep
-from mismatch_probe.metrics.weights import is_weights
-
-
-@per_batch
-def _clipped(b: TokenBatch, spec: ISSpec) -> np.ndarray:
-    """``[N]`` the truncated IS weights clamped to ``[0, U]`` (presets of one IS spec share it)."""
-    return np.clip(is_weights(b, spec)[1], 0.0, spec.upper)
+from mismatch_probe.metrics.rejection import dropped_seqs, rs_keep, rs_seq_keep
+from mismatch_probe.metrics.weights import is_weights, weight_sums
 
 
 def effective_weights(b: TokenBatch, preset: PresetSpec) -> np.ndarray:
-    """``[N]`` float64 ``w_eff`` (0 at padding), already clamped to ``[0, U]``."""
-    w = valid_float(b, None) if preset.is_spec is None else _clipped(b, preset.is_spec)
+    """``[N]`` float64 ``w_eff`` (0 at padding), already in ``[0, U]`` (``is_weights``)."""
+    w = valid_float(b, None) if preset.is_spec is None else is_weights(b, preset.is_spec)[1]
     return w * rs_keep(b, preset.rs_specs) if preset.rs_specs else w
+
+
+@per_batch
+def _seq_weights(b: TokenBatch, spec: ISSpec | None) -> tuple[np.ndarray, ...]:
+    """``[S_b]`` per sequence: ``msum_i(w)``, ``msum_i(w^2)`` and the valid tokens whose
+    weight is 0 (IcePop's); ``w = 1`` per valid token without IS."""
+    if spec is None:
+        return b.n, b.n, np.zeros(b.num_seqs)
+    w = is_weights(b, spec)[1]
+    zero = (w == 0.0) & b.m
+    zeros = seg_sum(b, zero.astype(np.float64)) if zero.any() else np.zeros(b.num_seqs)
+    return seg_sum(b, w), seg_sum(b, w * w), zeros
 
 
 class PresetAccumulator:
@@ -44,14 +50,36 @@ class PresetAccumulator:
         self.preset = preset
         self.sum_c = self.sum_c2 = 0.0
         self.n_masked = self.n_seq_masked = 0
+        # every rejection option keeps or drops whole sequences: computed per sequence
+        self.by_sequence = all(spec.aggregation != "token" for spec in preset.rs_specs)
 
     def update(self, b: TokenBatch) -> None:
+        if self.by_sequence:
+            self._update_sequences(b)
+            return
         c = effective_weights(b, self.preset)
         self.sum_c += float(c.sum())
         self.sum_c2 += float((c * c).sum())
         kept = (c != 0.0) | ~b.m
-        self.n_masked += int((~kept).sum())
-        self.n_seq_masked += int(dropped_seqs(b, kept).sum())
+        self.n_masked += count(~kept)
+        self.n_seq_masked += count(dropped_seqs(b, kept))
+
+    def _update_sequences(self, b: TokenBatch) -> None:
+        """The same sums from per-sequence ones: a dropped sequence masks all its tokens, a
+        kept one those of weight 0."""
+        spec = self.preset.is_spec
+        w_sum, w2_sum, zeros = _seq_weights(b, spec)
+        if self.preset.rs_specs:
+            dropped = (b.n > 0) & ~rs_seq_keep(b, self.preset.rs_specs)
+            self.sum_c += float(w_sum[~dropped].sum())
+            self.sum_c2 += float(w2_sum[~dropped].sum())
+        else:
+            dropped = np.zeros(b.num_seqs, dtype=bool)
+            sums = weight_sums(b, spec) if spec is not None else (float(count(b.m)),) * 2
+            self.sum_c += sums[0]
+            self.sum_c2 += sums[1]
+        self.n_masked += int(b.n[dropped].sum() + zeros[~dropped].sum())
+        self.n_seq_masked += count(dropped | (zeros > 0))
 
     def merge(self, other: PresetAccumulator) -> None:
         merge_sums(self, other, ("sum_c", "sum_c2", "n_masked", "n_seq_masked"))

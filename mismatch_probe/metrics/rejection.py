@@ -59,11 +59,11 @@ def _per_sequence(reduce: Reduction) -> Aggregation:
     return aggregate
 
 
+# sequence aggregation -> its reduction ``[N] -> [S_b]`` over each sequence's valid tokens
+SEQ_REDUCTIONS: dict[str, Reduction] = {"seq_sum": seg_sum, "seq_mean": seg_mean, "seq_max": seg_max}
 AGGREGATIONS: dict[str, Aggregation] = {
     "token": _per_token,
-    "seq_sum": _per_sequence(seg_sum),
-    "seq_mean": _per_sequence(seg_mean),
-    "seq_max": _per_sequence(seg_max),
+    **{name: _per_sequence(reduce) for name, reduce in SEQ_REDUCTIONS.items()},
 }
 
 
@@ -92,6 +92,23 @@ def rs_keep(b: TokenBatch, specs: tuple[RSSpec, ...]) -> np.ndarray:
     keep = np.ones(len(b.r), dtype=bool)
     for spec in specs:
         keep &= option_stats(b, spec)[2]
+    return keep
+
+
+@per_batch
+def seq_keep(b: TokenBatch, spec: RSSpec) -> np.ndarray:
+    """``[S_b]`` bool: the sequences a sequence-level option keeps (``lo <= v_i <= hi``, the
+    test ``option_stats`` applies to each of their rows)."""
+    v = SEQ_REDUCTIONS[spec.aggregation](b, _estimate(b, spec.estimator))
+    keep = v <= spec.hi
+    return keep & (v >= spec.lo) if spec.lo is not None else keep
+
+
+def rs_seq_keep(b: TokenBatch, specs: tuple[RSSpec, ...]) -> np.ndarray:
+    """``[S_b]`` bool: the sequences every (sequence-level) option keeps."""
+    keep = np.ones(b.num_seqs, dtype=bool)
+    for spec in specs:
+        keep &= seq_keep(b, spec)
     return keep
 
 

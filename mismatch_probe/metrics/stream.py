@@ -155,7 +155,7 @@ class MetricEngine:
         fresh.counts.update(b)
         for part in fresh.parts:
             part.update(b)
-        fresh.turns.update(b, turn if turn is not None else np.zeros(len(b.m), np.int64))
+        fresh.turns.update(b, turn)
         return fresh
 
     def merge(self, other: MetricEngine) -> None:

@@ -32,14 +32,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mismatch_probe.metrics.accum import capped, mmean
-from mismatch_probe.metrics.batch import TokenBatch, first_rows
-from mismatch_probe.metrics.offpolicy import batch_k3
+from mismatch_probe.metrics.batch import TokenBatch, abs_r, count, first_rows, valid
+from mismatch_probe.metrics.offpolicy import batch_k3, valid_k3_sum
 from mismatch_probe.metrics.parity import batch_mult
 from mismatch_probe.store import SEQUENCES_DIR, SEQUENCES_FILE, TOKENS_DIR, TOKENS_FILE
 from mismatch_probe.store.dataset import part_files
 
 TURN_COLUMN = "turn"
 _SUMS = ("tokens", "k3", "neg_r", "abs_r", "mult", "first_abs", "first_n")
+
+
+def _all_rows(b: TokenBatch) -> np.ndarray:
+    return np.ones(len(b.m), dtype=bool)
 
 
 class TurnAccumulator:
@@ -49,26 +53,31 @@ class TurnAccumulator:
         self.sums: dict[int, dict[str, float]] = {}
         self.starts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # (seq_id, position)
 
-    def update(self, b: TokenBatch, turn: np.ndarray) -> None:
-        """Add a batch; ``turn`` is ``[N]`` int64, the turn of each row."""
-        m, r = b.m, b.r
-        k3 = batch_k3(b, None)
-        mult = batch_mult(b, None)
-        seq = b.seq_id[b.seg]
-        for t in np.unique(turn).tolist():
-            rows = turn == t
-            valid = rows & m
+    def update(self, b: TokenBatch, turn: np.ndarray | None) -> None:
+        """Add a batch; ``turn`` is ``[N]`` int64, the turn of each row (None: all turn 0)."""
+        r, k3, mult, abs_lr = b.r, batch_k3(b, None), batch_mult(b, None), abs_r(b, None)
+        turns = [(0, None)] if turn is None else [(t, turn == t) for t in np.unique(turn).tolist()]
+        for t, rows in turns:
             sums = self.sums.setdefault(int(t), dict.fromkeys(_SUMS, 0.0))
-            sums["tokens"] += float(valid.sum())
-            sums["k3"] += float(k3[valid].sum())
-            sums["neg_r"] += float(-r[valid].sum())
-            sums["abs_r"] += float(np.abs(r[valid]).sum())
-            sums["mult"] += float(mult[valid].sum())
-            first = first_rows(b, valid)
-            sums["first_abs"] += float(np.abs(r[first]).sum())
-            sums["first_n"] += float(first.sum())
-            start = first_rows(b, rows)
-            self.starts.setdefault(int(t), []).append((seq[start], b.position[start]))
+            if rows is None:  # every row: the run-level sums, shared with their modules
+                on_valid = b.m
+                sums["k3"] += valid_k3_sum(b, None)
+                sums["neg_r"] += float(-valid(b, r).sum())
+                sums["abs_r"] += float(valid(b, abs_lr).sum())
+                sums["mult"] += float(valid(b, mult).sum())
+            else:
+                on_valid = rows & b.m
+                sums["k3"] += float(k3[on_valid].sum())
+                sums["neg_r"] += float(-r[on_valid].sum())
+                sums["abs_r"] += float(abs_lr[on_valid].sum())
+                sums["mult"] += float(mult[on_valid].sum())
+            sums["tokens"] += float(count(on_valid))
+            first = first_rows(b, on_valid)
+            sums["first_abs"] += float(abs_lr[first].sum())
+            sums["first_n"] += float(count(first))
+            everyone = b.all_valid and rows is None  # a turn's first row is its first valid row
+            start = first if everyone else first_rows(b, _all_rows(b) if rows is None else rows)
+            self.starts.setdefault(int(t), []).append((b.seq_id[b.seg[start]], b.position[start]))
 
     def merge(self, other: TurnAccumulator) -> None:
         for t, sums in other.sums.items():

@@ -28,15 +28,18 @@ from mismatch_probe.metrics.batch import (
     SAFETY_BOUND,
     TokenBatch,
     clamp_b,
+    clamped_rho,
+    count,
     per_batch,
     seg_mean,
+    valid,
 )
 from mismatch_probe.metrics.config import ISSpec
 
-# level -> the [N] log-weight of every row (before masking).
-LOG_WEIGHTS: dict[str, Callable[[TokenBatch], np.ndarray]] = {
-    "token": lambda b: clamp_b(b.r),
-    "sequence": lambda b: clamp_b(b.s)[b.seg],
+# level -> the [N] weight ``exp(clampB(log-weight))`` of every row (before masking).
+RAW_WEIGHTS: dict[str, Callable[[TokenBatch], np.ndarray]] = {
+    "token": lambda b: clamped_rho(b, None),
+    "sequence": lambda b: np.exp(clamp_b(b.s))[b.seg],
 }
 
 
@@ -53,10 +56,20 @@ def is_weights(b: TokenBatch, spec: ISSpec) -> tuple[np.ndarray, np.ndarray]:
     """Raw and truncated IS weights of a batch.
 
     Returns:
-        ``(raw_w, w)``, both ``[N]`` float64, 0 at padding rows.
+        ``(raw_w, w)``, both ``[N]`` float64, 0 at padding rows; ``0 <= w <= U`` (so the
+        clamp to ``[0, U]`` of the metrics leaves ``w`` as it is).
     """
-    raw = np.exp(LOG_WEIGHTS[spec.level](b)) * b.m
+    raw = RAW_WEIGHTS[spec.level](b)
+    raw = raw if b.all_valid else raw * b.m
     return raw, truncate(raw, spec)
+
+
+@per_batch
+def weight_sums(b: TokenBatch, spec: ISSpec) -> tuple[float, float]:
+    """``(sum w, sum w^2)`` over the batch (padding is 0): shared by the IS metrics and the
+    presets of the same spec."""
+    w = is_weights(b, spec)[1]
+    return float(w.sum()), float((w * w).sum())
 
 
 class ISAccumulator:
@@ -78,24 +91,25 @@ class ISAccumulator:
     def update(self, b: TokenBatch) -> None:
         spec, m = self.spec, b.m
         raw, w = is_weights(b, spec)
-        c = np.clip(w, 0.0, spec.upper)
-        self.sum_w += float(w.sum())
-        self.sum_c += float(c.sum())
-        self.sum_c2 += float((c * c).sum())
+        sum_w, sum_w2 = weight_sums(b, spec)
+        self.sum_w += sum_w
+        self.sum_c += sum_w  # c = clamp(w, 0, U) is w itself
+        self.sum_c2 += sum_w2
         if m.any():
-            self.w_max = max(self.w_max, float(w[m].max()))
-            self.w_min = min(self.w_min, float(w[m].min()))
-        self.n_high += int((m & (raw > spec.upper)).sum())
-        self.n_low += int((m & (raw < spec.low)).sum())
+            on_valid = valid(b, w)
+            self.w_max = max(self.w_max, float(on_valid.max()))
+            self.w_min = min(self.w_min, float(on_valid.min()))
+        self.n_high += count(valid(b, raw) > spec.upper)
+        self.n_low += count(valid(b, raw) < spec.low)
         s = b.s
         self.s_max, self.s_min = max(self.s_max, s.max()), min(self.s_min, s.min())
-        self.n_s_high += int((s > math.log(spec.upper)).sum())
-        self.n_s_low += int((s < math.log(spec.low)).sum())
+        self.n_s_high += count(s > math.log(spec.upper))
+        self.n_s_low += count(s < math.log(spec.low))
         q, q_raw = seg_mean(b, w), seg_mean(b, raw)
         self.q.add(q)
         self.q_dev = max(self.q_dev, float(np.abs(q - 1.0).max()))
-        self.n_q_high += int((q_raw > spec.upper).sum())
-        self.n_q_low += int((q_raw < spec.low).sum())
+        self.n_q_high += count(q_raw > spec.upper)
+        self.n_q_low += count(q_raw < spec.low)
         self.q_valid_sum += float(q[b.n > 0].sum())
 
     def merge(self, other: ISAccumulator) -> None:
