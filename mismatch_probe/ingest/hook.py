@@ -397,7 +397,7 @@ class ProbeWriter:
             if not path.exists():
                 break
         with store.atomic(path) as tmp:
-            pq.write_table(table, tmp, compression="zstd")
+            pq.write_table(table, tmp, **store.parquet_options(table.schema))
         self._open["audit" if folder else "files"].append(path.name)
         return path
 

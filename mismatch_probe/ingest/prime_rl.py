@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import jsonl
@@ -147,7 +146,7 @@ def read_file(file: Path, step: int) -> SeqBatch:
 def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
     """The fast path's checks and masks; None where the reference reader must decide."""
     version = table.column("schema_version")
-    if version.null_count or not pc.all(pc.is_in(version, pa.array(SCHEMA_VERSIONS))).as_py():
+    if version.null_count or not np.isin(version.to_numpy(), SCHEMA_VERSIONS).all():
         return None
     cols = {n: jsonl.flat_list(table.column(n)) for n in _ARRAYS}
     if any(c is None for c in cols.values()):

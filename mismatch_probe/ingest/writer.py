@@ -103,11 +103,12 @@ class RunStoreWriter:
         meta = {store.META_KEY: json.dumps(run, sort_keys=True, default=str),
                 store.VERSION_KEY: store.SCHEMA_VERSION}  # fmt: skip
         self.token_schema = token_schema(tokenizer is not None).with_metadata(meta)
+        seq_schema = SEQUENCE_SCHEMA.with_metadata(meta)
         self.tokens = pq.ParquetWriter(
-            out / store.TOKENS_FILE, self.token_schema, compression="zstd"
+            out / store.TOKENS_FILE, self.token_schema, **store.parquet_options(self.token_schema)
         )
         self.seqs = pq.ParquetWriter(
-            out / store.SEQUENCES_FILE, SEQUENCE_SCHEMA.with_metadata(meta), compression="zstd"
+            out / store.SEQUENCES_FILE, seq_schema, **store.parquet_options(seq_schema)
         )
         self.buffer: list[_Piece] = []
         self.buffered = 0

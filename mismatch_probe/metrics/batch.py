@@ -236,6 +236,11 @@ def seg_min(b: TokenBatch, x: np.ndarray) -> np.ndarray:
     return np.where(b.n > 0, out, 0.0)
 
 
+def distinct_sorted(labels: np.ndarray) -> int:
+    """Number of distinct values of a non-decreasing array."""
+    return int(np.count_nonzero(labels[1:] != labels[:-1])) + 1 if len(labels) else 0
+
+
 def count(mask: np.ndarray) -> int:
     """Number of True entries of a bool array (``count_nonzero``: no int64 sum)."""
     return int(np.count_nonzero(mask))

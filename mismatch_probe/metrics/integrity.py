@@ -60,7 +60,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mismatch_probe.metrics.batch import LOGPROB_FLOOR
+from mismatch_probe.metrics.batch import LOGPROB_FLOOR, distinct_sorted
 from mismatch_probe.metrics.sampling_checks import SAMPLING_CHECKS, SamplingAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
@@ -213,6 +213,31 @@ def _order(f: Finding) -> tuple[bool, int]:
     return (f.severity != ERROR, CHECKS.index(f.check) if f.check in CHECKS else len(CHECKS))
 
 
+def _by_sequence(seq: np.ndarray, pos: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The rows in position order inside each sequence, each sequence's rows together:
+    ``(seq, pos, *arrays, seg, starts)`` with ``seg`` ``[N]`` the sequence index of each row
+    (non-decreasing) and ``starts`` ``[S]`` each sequence's first row. Rows that already come so
+    (the store's own order) are kept as they are, without a sort."""
+    change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64) if len(seq) else change
+    inside = np.ones(max(len(seq) - 1, 0), dtype=bool)
+    inside[change - 1] = False
+    contiguous = len(np.unique(seq[starts])) == len(starts)
+    if not (contiguous and bool(np.all(pos[1:][inside] >= pos[:-1][inside]))):
+        order = np.lexsort((pos, seq))
+        seq, pos = seq[order], pos[order]
+        arrays = tuple(a[order] for a in arrays)
+        change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
+        starts = np.concatenate([[0], change]).astype(np.int64) if len(seq) else change
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(seq))))
+    return (seq, pos, *arrays, seg, starts)
+
+
+def _segment_sums(x: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``[N] -> [S]`` sums over each sequence's rows (``starts`` from ``_by_sequence``)."""
+    return np.add.reduceat(x, starts) if len(x) else np.zeros(len(starts))
+
+
 class IntegrityAccumulator:
     """Fixed-size counts of one run (or one step), fed batch by batch of whole sequences."""
 
@@ -236,18 +261,16 @@ class IntegrityAccumulator:
         """Add whole sequences. Shapes ``[N]``: ``seq`` ids (a sequence's rows contiguous),
         ``pos`` response positions, ``train``/``rollout`` float64 log-probs (anything at
         padding), ``valid`` bool (both sides present), ``flip`` bool (a support flip)."""
-        order = np.lexsort((pos, seq))  # position order inside each sequence
-        arrays = (seq, pos, train, rollout, valid, flip)
-        seq, pos, train, rollout, valid, flip = (a[order] for a in arrays)
-        _, seg = np.unique(seq, return_inverse=True)
-        nseg = int(seg.max()) + 1 if len(seg) else 0
-        n_valid = np.bincount(seg, weights=valid, minlength=nseg)
-        self.valid += int(valid.sum())
+        seq, pos, train, rollout, valid, flip, seg, starts = _by_sequence(
+            seq, pos, train, rollout, valid, flip
+        )
+        n_valid = _segment_sums(valid.astype(np.float64), starts)
+        self.valid += int(np.count_nonzero(valid))
         self.valid_seqs += int((n_valid > 0).sum())
         with np.errstate(invalid="ignore"):
             same = valid & (train == rollout)
-            self.identical += int(same.sum())
-            n_same = np.bincount(seg, weights=same, minlength=nseg)
+            self.identical += int(np.count_nonzero(same))
+            n_same = _segment_sums(same.astype(np.float64), starts)
             copied = (n_valid >= COPY_MIN_SEQ_TOKENS) & (n_same == n_valid)
             self.seqs["copied"] += int(copied.sum())
             self.copied_tokens += int(n_valid[copied].sum())
@@ -270,9 +293,24 @@ class IntegrityAccumulator:
         self._shift(seg, pos, train, rollout, finite)
         self.sampling.update(seg, train, rollout, finite)
 
+    def merge(self, other: IntegrityAccumulator) -> None:
+        """Add another accumulator's sequences (counts and sums added, extremes combined)."""
+        self.valid += other.valid
+        self.valid_seqs += other.valid_seqs
+        self.identical += other.identical
+        self.held_n += other.held_n
+        self.copied_tokens += other.copied_tokens
+        for name in ("counts", "seqs", "shift_sum", "shift_n", "held_sum"):
+            mine: dict[Any, Any] = getattr(self, name)
+            for key, value in getattr(other, name).items():
+                mine[key] += value
+        self.positive_max = max(self.positive_max, other.positive_max)
+        self.implausible_min = min(self.implausible_min, other.implausible_min)
+        self.sampling.merge(other.sampling)
+
     def _flag(self, name: str, hit: np.ndarray, seg: np.ndarray) -> None:
-        self.counts[name] += int(hit.sum())
-        self.seqs[name] += len(np.unique(seg[hit]))
+        self.counts[name] += int(np.count_nonzero(hit))
+        self.seqs[name] += distinct_sorted(seg[hit])
 
     def _shift(self, seg: np.ndarray, pos: np.ndarray, train: np.ndarray, rollout: np.ndarray,
                finite: np.ndarray) -> None:  # fmt: skip
@@ -280,9 +318,10 @@ class IntegrityAccumulator:
         tokens t whose neighbours t-1 and t+1 are valid tokens of the same sequence (the
         interior tokens); the sequences for which the shift test holds on their own pairs
         are counted, and their sums kept apart."""
-        t = np.maximum(np.where(finite, train, 0.0), LOGPROB_FLOOR)
-        r = np.maximum(np.where(finite, rollout, 0.0), LOGPROB_FLOOR)
-        nseg = int(seg.max()) + 1 if len(seg) else 0
+        every = bool(finite.all())
+        t = np.maximum(train if every else np.where(finite, train, 0.0), LOGPROB_FLOOR)
+        r = np.maximum(rollout if every else np.where(finite, rollout, 0.0), LOGPROB_FLOOR)
+        nseg = int(seg[-1]) + 1 if len(seg) else 0
         pair = finite[:-1] & finite[1:] & (seg[:-1] == seg[1:]) & (pos[1:] == pos[:-1] + 1)
         mid = np.flatnonzero(pair[:-1] & pair[1:]) + 1  # rows t with both neighbours paired
         diffs = {  # k -> absolute differences at the rows ``mid``
@@ -290,12 +329,17 @@ class IntegrityAccumulator:
             1: np.abs(t[mid] - r[mid + 1]),  # train[t] vs rollout[t+1]
             -1: np.abs(t[mid] - r[mid - 1]),  # train[t] vs rollout[t-1]
         }
-        n = np.bincount(seg[mid], minlength=nseg)
+        labels = seg[mid]
+        group = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]]) if len(mid) else mid
+        n = np.zeros(nseg, dtype=np.int64)
+        n[labels[group]] = np.diff(np.append(group, len(mid)))
         sums = {}
         for k, d in diffs.items():
             self.shift_sum[k] += float(d.sum())
             self.shift_n[k] += len(d)
-            sums[k] = np.bincount(seg[mid], weights=d, minlength=nseg)
+            sums[k] = np.zeros(nseg)
+            if len(mid):
+                sums[k][labels[group]] = np.add.reduceat(d, group)
         with np.errstate(invalid="ignore", divide="ignore"):
             held = (n > 0) & shifted(*(sums[k] / n for k in SHIFTS))
         self.seqs["shifted"] += int(held.sum())
@@ -491,9 +535,9 @@ def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
         col = table.column(name)
         if col.null_count:
             valid &= ~pc.is_null(col).to_numpy(zero_copy_only=False)
-        values.append(pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False))
-    seq = pc.cast(table.column("seq_id"), pa.int64()).to_numpy(zero_copy_only=False)
-    pos = pc.cast(table.column("position"), pa.int64()).to_numpy(zero_copy_only=False)
+        values.append(np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64))
+    seq, pos = (np.asarray(table.column(name).to_numpy(), dtype=np.int64)
+                for name in ("seq_id", "position"))  # fmt: skip
     flip = np.zeros(table.num_rows, dtype=bool)
     if "support_flip" in table.column_names:
         flips = pc.fill_null(table.column("support_flip"), False)
@@ -525,11 +569,17 @@ def compute_integrity(
     per_step: dict[int, IntegrityAccumulator] = {}
     for table in iter_sequence_batches(path, columns) if tables is None else tables:
         arrays = _columns(table)
-        whole.update(*arrays)
+        batch = IntegrityAccumulator()
+        batch.update(*arrays)
+        whole.merge(batch)
         if not has_step:
             continue
         steps = pc.fill_null(table.column(STEP_COLUMN), -1).to_numpy(zero_copy_only=False)
-        for step in np.unique(steps):
+        held = np.unique(steps)
+        if len(held) == 1:  # the usual batch: one step's rows, the batch's own counts
+            per_step.setdefault(int(held[0]), IntegrityAccumulator()).merge(batch)
+            continue
+        for step in held:
             rows = steps == step
             per_step.setdefault(int(step), IntegrityAccumulator()).update(
                 *(a[rows] for a in arrays)

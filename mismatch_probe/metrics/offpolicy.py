@@ -15,7 +15,14 @@ from __future__ import annotations
 import numpy as np
 
 from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mmean
-from mismatch_probe.metrics.batch import TokenBatch, clamp_b, clamped_rho, per_batch, seg_mean, valid
+from mismatch_probe.metrics.batch import (
+    TokenBatch,
+    clamp_b,
+    clamped_rho,
+    per_batch,
+    seg_mean,
+    valid,
+)
 
 PPL_KEYS = ("training_ppl", "rollout_ppl", "ppl_ratio")
 _OFFPOLICY_SUMS = ("sum_neg_r", "sum_k3", "sum_rho2", "sum_ppl_train", "sum_lppl_train",

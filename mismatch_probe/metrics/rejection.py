@@ -60,7 +60,11 @@ def _per_sequence(reduce: Reduction) -> Aggregation:
 
 
 # sequence aggregation -> its reduction ``[N] -> [S_b]`` over each sequence's valid tokens
-SEQ_REDUCTIONS: dict[str, Reduction] = {"seq_sum": seg_sum, "seq_mean": seg_mean, "seq_max": seg_max}
+SEQ_REDUCTIONS: dict[str, Reduction] = {
+    "seq_sum": seg_sum,
+    "seq_mean": seg_mean,
+    "seq_max": seg_max,
+}
 AGGREGATIONS: dict[str, Aggregation] = {
     "token": _per_token,
     **{name: _per_sequence(reduce) for name, reduce in SEQ_REDUCTIONS.items()},

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.batch import LOGPROB_FLOOR
+from mismatch_probe.metrics.batch import LOGPROB_FLOOR, distinct_sorted
 
 TEMPERATURE_CHECK, SUPPORT_CHECK = "temperature_mismatch", "truncated_support"
 SAMPLING_CHECKS = (TEMPERATURE_CHECK, SUPPORT_CHECK)
@@ -74,23 +74,38 @@ class SamplingAccumulator:
                finite: np.ndarray) -> None:  # fmt: skip
         """Add tokens: ``seg`` sequence indices (of this batch), float64 ``train``/``rollout``
         log-probs, ``finite`` bool (a valid token whose two log-probs are finite)."""
-        x = np.maximum(train[finite], LOGPROB_FLOOR)
-        y = x - np.maximum(rollout[finite], LOGPROB_FLOOR)
-        seg = seg[finite]
+        every = bool(finite.all())
+        x = np.maximum(train if every else train[finite], LOGPROB_FLOOR)
+        y = x - np.maximum(rollout if every else rollout[finite], LOGPROB_FLOOR)
+        seg = seg if every else seg[finite]  # non-decreasing (``integrity._by_sequence``)
         if not len(x):
             return
-        self.seqs += len(np.unique(seg))
+        self.seqs += distinct_sorted(seg)
         self._moments(x, y)
         for sign in (-1, 1):
             hit = sign * y > DIFFERENT
-            self.sign_n[sign] += int(hit.sum())
-            self.sign_seqs[sign] += len(np.unique(seg[hit]))
+            self.sign_n[sign] += int(np.count_nonzero(hit))
+            self.sign_seqs[sign] += distinct_sorted(seg[hit])
             self.hist[sign] += np.bincount(_bins(np.abs(y[hit])), minlength=_NBINS)
+
+    def merge(self, other: SamplingAccumulator) -> None:
+        """Add another accumulator's tokens (its co-moments merged as one more batch)."""
+        if other.n:
+            self._add(other.n, other.mean_x, other.mean_y, other.sxx, other.syy, other.sxy)
+        self.seqs += other.seqs
+        for sign in (-1, 1):
+            self.sign_n[sign] += other.sign_n[sign]
+            self.sign_seqs[sign] += other.sign_seqs[sign]
+            self.hist[sign] = self.hist[sign] + other.hist[sign]
 
     def _moments(self, x: np.ndarray, y: np.ndarray) -> None:
         n, mx, my = len(x), float(x.mean()), float(y.mean())
         dx, dy = x - mx, y - my
-        sxx, syy, sxy = float(dx @ dx), float(dy @ dy), float(dx @ dy)
+        # elementwise products, not BLAS dot: no BLAS threads spinning beside the metric pass
+        sums = (float((dx * dx).sum()), float((dy * dy).sum()), float((dx * dy).sum()))
+        self._add(n, mx, my, *sums)
+
+    def _add(self, n: int, mx: float, my: float, sxx: float, syy: float, sxy: float) -> None:
         total = self.n + n
         ex, ey = mx - self.mean_x, my - self.mean_y
         w = self.n * n / total

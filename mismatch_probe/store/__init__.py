@@ -450,11 +450,22 @@ def os_error_reason(exc: OSError) -> str:
     return reason
 
 
+def parquet_options(schema: pa.Schema) -> dict[str, Any]:
+    """How every Parquet file probe writes is encoded: zstd, and dictionary pages only for the
+    columns of few distinct values (ids, steps, positions, settings, text). The floats (a
+    log-prob per row) and token ids (a vocabulary's worth) get plain pages: a dictionary is
+    tried, abandoned and costs time both ways (writing and reading are several times faster
+    without it, and the file is no larger)."""
+    plain = {f.name for f in schema if pa.types.is_floating(f.type)} | {"token_id"}
+    return {"compression": "zstd", "use_dictionary": [n for n in schema.names if n not in plain]}
+
+
 def write_table(path: Path, table: pa.Table, schema: pa.Schema, run: dict[str, Any]) -> None:
     """Write ``table`` to ``path`` atomically (``atomic``), in row groups that never split a
     sequence."""
     table = table.select(schema.names).cast(_with_metadata(schema, run))
-    with atomic(path) as tmp, pq.ParquetWriter(tmp, table.schema, compression="zstd") as writer:
+    options = parquet_options(table.schema)
+    with atomic(path) as tmp, pq.ParquetWriter(tmp, table.schema, **options) as writer:
         for start, stop in _sequence_aligned_chunks(table, ROW_GROUP_TOKENS):
             writer.write_table(table.slice(start, stop - start))
 
@@ -586,7 +597,9 @@ def iter_sequence_batches(
 ) -> Iterator[pa.Table]:
     """Yield tables of whole sequences, a row group (or a bounded piece of one) at a time.
 
-    Memory stays bounded whatever the file's row-group size (see ``_chunks``). A sequence that
+    Memory stays bounded whatever the file's row-group size (see ``_chunks``): a chunk is
+    yielded once the next one is read and starts with another sequence (so row groups that
+    end on whole sequences, as our writers' do, are yielded as they are); a sequence that
     continues into the next chunk is carried over, so every yielded table holds complete
     sequences. Rows of a sequence must be contiguous in the file (our writer guarantees it); a
     sequence that reappears after others is an error, since its statistics could not be
@@ -600,24 +613,30 @@ def iter_sequence_batches(
     cols = list(dict.fromkeys(["seq_id", *columns]))
     files = [_open_part(p, cols) for p in part_files(path)]
     seen: set[int] = set()
-    carry: pa.Table | None = None
+    held: pa.Table | None = None  # rows read, not yet yielded: their last sequence may go on
     try:
         if row_groups is not None and len(files) > 1:
             raise ProbeError(f"{path}: row groups (one training step) of a sharded store")
         for group in (chunk for pf in files for chunk in _chunks(pf, cols, row_groups)):
-            if carry is not None:
-                group = pa.concat_tables([carry, group])
             if group.num_rows == 0:
                 continue
-            seq = group.column("seq_id").to_numpy()
-            tail_start = _last_run_start(seq)
-            complete, carry = group.slice(0, tail_start), group.slice(tail_start)
-            if complete.num_rows:
-                _check_contiguous(complete.column("seq_id").to_numpy(), seen, path)
-                yield complete
-        if carry is not None and carry.num_rows:
-            _check_contiguous(carry.column("seq_id").to_numpy(), seen, path)
-            yield carry
+            if held is None:
+                held = group
+                continue
+            seq = held.column("seq_id").to_numpy()
+            if seq[-1] != group.column("seq_id")[0].as_py():  # held ends on a whole sequence
+                _check_contiguous(seq, seen, path)
+                yield held
+                held = group
+                continue
+            tail_start = _last_run_start(seq)  # the last sequence goes on in this group
+            if tail_start:
+                _check_contiguous(seq[:tail_start], seen, path)
+                yield held.slice(0, tail_start)
+            held = pa.concat_tables([held.slice(tail_start), group])
+        if held is not None:
+            _check_contiguous(held.column("seq_id").to_numpy(), seen, path)
+            yield held
     except (pa.ArrowException, OSError) as exc:
         raise ProbeError(f"{path} is corrupt ({exc})") from None
 

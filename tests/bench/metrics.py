@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mismatch_probe.store import parquet_options
+
 SIZES = {"1m": 1_000_000, "10m": 10_000_000}
 MAX_LEN = 999
 ROW_GROUP = 65_536
@@ -55,7 +57,7 @@ def write_synthetic_store(path: Path, tokens: int, seed: int = 0) -> dict[str, i
     try:
         while rows < tokens:
             table = _chunk(rng, seqs, min(ROW_GROUP, tokens - rows))
-            writer = writer or pq.ParquetWriter(path, table.schema, compression="zstd")
+            writer = writer or pq.ParquetWriter(path, table.schema, **parquet_options(table.schema))
             writer.write_table(table, row_group_size=ROW_GROUP * 2)
             rows += table.num_rows
             seqs += len(np.unique(table.column("seq_id").to_numpy()))

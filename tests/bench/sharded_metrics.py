@@ -33,7 +33,9 @@ def split_store(path: Path, table_dir: Path, parts: int) -> None:
     for k in range(parts):
         chosen = range(k * groups // parts, (k + 1) * groups // parts)
         part = dataset.part_path(table_dir, k)
-        with pq.ParquetWriter(part, pf.schema_arrow, compression="zstd") as writer:
+        with pq.ParquetWriter(
+            part, pf.schema_arrow, **store.parquet_options(pf.schema_arrow)
+        ) as writer:
             for i in chosen:
                 writer.write_table(pf.read_row_group(i))
         store.mark_done(table_dir, k, {"row_groups": len(chosen)})
