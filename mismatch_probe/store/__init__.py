@@ -237,7 +237,9 @@ COMPARE_FILE = "compare.md"  # written by ``probe compare`` into its own directo
 REFIT_FILE = "refit.json"  # ``probe refit``: the weight audit and the links of a refit
 PLOTS_DIR = "plots"
 
-ROW_GROUP_TOKENS = 65_536
+# Rows per row group of the stores probe writes: one batch of the metric engine (a few MB of
+# columns), large enough that a batch's fixed cost is small beside its arithmetic.
+ROW_GROUP_TOKENS = 131_072
 
 
 def _is_integer(t: pa.DataType) -> bool:

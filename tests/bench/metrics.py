@@ -1,8 +1,8 @@
 """Metric engine: streaming pass vs the naive in-memory torch computation, time and memory.
 
 Builds synthetic token stores of 1 M and 10 M tokens (about 2,000 and 20,000 sequences of
-1..999 tokens, written in 65,536-row groups that never split a sequence) and measures each
-computation in a fresh ``spawn`` child: wall time and the child's own peak RSS
+1..999 tokens, in row groups of ``store.ROW_GROUP_TOKENS`` rows that never split a sequence)
+and measures each computation in a fresh ``spawn`` child: wall time and the child's own peak RSS
 (``VmHWM`` from ``/proc/self/status``), plus its RSS after imports (the baseline), so no
 measurement inherits another's memory. The acceptance check: our peak at 10 M tokens within 2x
 of ours at 1 M tokens.
@@ -21,11 +21,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mismatch_probe.store import parquet_options
+from mismatch_probe.store import ROW_GROUP_TOKENS, parquet_options
 
 SIZES = {"1m": 1_000_000, "10m": 10_000_000}
 MAX_LEN = 999
-ROW_GROUP = 65_536
+ROW_GROUP = ROW_GROUP_TOKENS
 COMPARED = ("kl", "k3_kl", "chi2_token", "rollout_is_mean", "rollout_is_eff_sample_size", "f_tau_2")
 
 
