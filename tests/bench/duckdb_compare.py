@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPEATS = 2
+REPEATS = 3
 INGEST_STEPS = 20
 INGEST_TOKENS_PER_STEP = 200_000
 METRICS_TOKENS = 10_000_000
