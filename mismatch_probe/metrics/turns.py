@@ -58,8 +58,9 @@ class TurnAccumulator:
         r, k3, mult, abs_lr = b.r, batch_k3(b, None), batch_mult(b, None), abs_r(b, None)
         values = [0] if turn is None else np.unique(turn).tolist()
         # rows None: every row of the batch is of the one turn
+        one = len(values) == 1
         turns: list[tuple[int, np.ndarray | None]] = (
-            [(values[0], None)] if len(values) == 1 else [(t, np.asarray(turn == t)) for t in values]
+            [(values[0], None)] if one else [(t, np.asarray(turn == t)) for t in values]
         )
         for t, rows in turns:
             sums = self.sums.setdefault(int(t), dict.fromkeys(_SUMS, 0.0))
