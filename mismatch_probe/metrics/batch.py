@@ -190,6 +190,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
 def _entropy_column(table: pa.Table, m: np.ndarray) -> np.ndarray:
     """``[N]`` float64 ``train_entropy``, NaN where null, non-finite or padding."""
     values, ok = _column(table, "train_entropy")
+    values = np.asarray(values, dtype=np.float64)
     with np.errstate(invalid="ignore"):
         return np.where(ok & m & np.isfinite(values), values, np.nan)
 
