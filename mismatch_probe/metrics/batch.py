@@ -157,8 +157,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
     train = normalize_logprobs(train_raw, m, "train_logprob", all_valid)
     rollout = normalize_logprobs(rollout_raw, m, "rollout_logprob", all_valid)
     r = train - rollout
-    change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
-    starts = np.concatenate([[0], change]).astype(np.int64)
+    starts = sequence_starts(seq)
     lengths = np.diff(np.append(starts, len(seq)))
     seg = np.repeat(np.arange(len(starts), dtype=np.int64), lengths)
     n = lengths.astype(np.float64) if all_valid else np.add.reduceat(m.astype(np.float64), starts)
@@ -174,7 +173,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
         seg=seg,
         starts=starts,
         n=n,
-        s=_reduce_seq(r, starts),  # r is 0 at padding
+        s=seq_sums(r, starts),  # r is 0 at padding
         seq_id=seq[starts],
         position=_int_column(table, "position"),
         flip=flip,
@@ -200,7 +199,12 @@ def prob(logprob: np.ndarray) -> np.ndarray:
     return np.exp(np.minimum(logprob, 0.0))
 
 
-def _reduce_seq(x: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def sequence_starts(seq: np.ndarray) -> np.ndarray:
+    """``[S]`` int64 first row of each run of equal ``seq`` ids (``[0]`` for no rows)."""
+    return np.concatenate([[0], np.flatnonzero(seq[1:] != seq[:-1]) + 1]).astype(np.int64)
+
+
+def seq_sums(x: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """``[N] -> [S_b]`` sum over each sequence's rows (contiguous; none empty, except the one
     "sequence" of a table without rows)."""
     return np.add.reduceat(x, starts) if len(x) else np.zeros(len(starts))
@@ -213,7 +217,7 @@ def valid(b: TokenBatch, x: np.ndarray) -> np.ndarray:
 
 def seg_sum(b: TokenBatch, x: np.ndarray) -> np.ndarray:
     """``msum_i(x)``: ``[N] -> [S_b]`` sum over each sequence's valid tokens."""
-    return _reduce_seq(x if b.all_valid else np.where(b.m, x, 0.0), b.starts)
+    return seq_sums(x if b.all_valid else np.where(b.m, x, 0.0), b.starts)
 
 
 def seg_mean(b: TokenBatch, x: np.ndarray) -> np.ndarray:

@@ -61,11 +61,6 @@ def clip_key(eps: float) -> str:
     return f"clip_fraction_{eps:g}"
 
 
-def _rho(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``rho = exp(clampB(r))`` (memoised on the batch)."""
-    return clamped_rho(b, None)
-
-
 @per_batch
 def _seq_weight(b: TokenBatch, _: None = None) -> np.ndarray:
     """``[S_b]`` ``q'_i = mmean_i(exp(clampB(s_i)))``."""
@@ -89,7 +84,7 @@ def _token_counts(
 ) -> tuple[list[int], list[int]]:
     """Token-level family: masked tokens per threshold, and sequences holding one (from the
     per-sequence max / min of rho: a sequence holds a masked token iff its extreme is)."""
-    rho = _rho(b, None)
+    rho = clamped_rho(b, None)
     on_valid, seqs = valid(b, rho), b.n > 0
     hi, lo = seg_max(b, rho), seg_min(b, rho)
     tokens = [count(hit(on_valid, t)) for t in thresholds]
@@ -130,7 +125,7 @@ class DecisionAccumulator:
         self.under = self.over = 0
 
     def update(self, b: TokenBatch) -> None:
-        dev = np.abs(valid(b, _rho(b, None)) - 1.0)
+        dev = np.abs(valid(b, clamped_rho(b, None)) - 1.0)
         self.n_clip += [count(dev > eps) for eps in CLIP_EPS]
         tokens, seqs = [], []
         for thresholds, counter in FAMILIES.values():

@@ -50,7 +50,12 @@ def prob_abs_diff(train: np.ndarray, rollout: np.ndarray) -> np.ndarray:
 
 def ratio_spread(r: np.ndarray) -> np.ndarray:
     """``max(rho, 1/rho) = exp(|r|)``, with ``|r|`` capped at 700 (far above any tau)."""
-    return np.exp(np.minimum(np.abs(r), 700.0))
+    return spread_of_abs(np.abs(r))
+
+
+def spread_of_abs(abs_r: np.ndarray) -> np.ndarray:
+    """``ratio_spread`` from ``|r|``."""
+    return np.exp(np.minimum(abs_r, 700.0))
 
 
 def share(part: float, total: float) -> float:
@@ -83,7 +88,7 @@ class DiagnosticsAccumulator:
         self.n_seq_dp_high += count(seq_dp > SEQ_DP_LIMIT)
         p_train, p_rollout = probs(b, None)
         self.probs.add(valid(b, p_train), valid(b, p_rollout))
-        spread = np.exp(np.minimum(abs_lr, 700.0))  # ratio_spread
+        spread = spread_of_abs(abs_lr)
         self.n_tau += [count(spread > tau) for tau in TAU_GRID]
         self.n_ipo += [count(dp > eps) for eps in IPO_EPS]
         if self.has_flip and b.flip is not None:

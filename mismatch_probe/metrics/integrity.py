@@ -60,7 +60,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mismatch_probe.metrics.batch import LOGPROB_FLOOR, distinct_sorted
+from mismatch_probe.metrics.batch import (
+    LOGPROB_FLOOR,
+    distinct_sorted,
+    seq_sums,
+    sequence_starts,
+)
 from mismatch_probe.metrics.sampling_checks import SAMPLING_CHECKS, SamplingAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
@@ -218,24 +223,17 @@ def _by_sequence(seq: np.ndarray, pos: np.ndarray, *arrays: np.ndarray) -> tuple
     ``(seq, pos, *arrays, seg, starts)`` with ``seg`` ``[N]`` the sequence index of each row
     (non-decreasing) and ``starts`` ``[S]`` each sequence's first row. Rows that already come so
     (the store's own order) are kept as they are, without a sort."""
-    change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
-    starts = np.concatenate([[0], change]).astype(np.int64) if len(seq) else change
+    starts = sequence_starts(seq)
     inside = np.ones(max(len(seq) - 1, 0), dtype=bool)
-    inside[change - 1] = False
+    inside[starts[1:] - 1] = False
     contiguous = len(np.unique(seq[starts])) == len(starts)
     if not (contiguous and bool(np.all(pos[1:][inside] >= pos[:-1][inside]))):
         order = np.lexsort((pos, seq))
         seq, pos = seq[order], pos[order]
         arrays = tuple(a[order] for a in arrays)
-        change = np.flatnonzero(seq[1:] != seq[:-1]) + 1
-        starts = np.concatenate([[0], change]).astype(np.int64) if len(seq) else change
+        starts = sequence_starts(seq)
     seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(seq))))
     return (seq, pos, *arrays, seg, starts)
-
-
-def _segment_sums(x: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """``[N] -> [S]`` sums over each sequence's rows (``starts`` from ``_by_sequence``)."""
-    return np.add.reduceat(x, starts) if len(x) else np.zeros(len(starts))
 
 
 class IntegrityAccumulator:
@@ -264,13 +262,13 @@ class IntegrityAccumulator:
         seq, pos, train, rollout, valid, flip, seg, starts = _by_sequence(
             seq, pos, train, rollout, valid, flip
         )
-        n_valid = _segment_sums(valid.astype(np.float64), starts)
+        n_valid = seq_sums(valid.astype(np.float64), starts)
         self.valid += int(np.count_nonzero(valid))
         self.valid_seqs += int((n_valid > 0).sum())
         with np.errstate(invalid="ignore"):
             same = valid & (train == rollout)
             self.identical += int(np.count_nonzero(same))
-            n_same = _segment_sums(same.astype(np.float64), starts)
+            n_same = seq_sums(same.astype(np.float64), starts)
             copied = (n_valid >= COPY_MIN_SEQ_TOKENS) & (n_same == n_valid)
             self.seqs["copied"] += int(copied.sum())
             self.copied_tokens += int(n_valid[copied].sum())

@@ -78,7 +78,7 @@ class ISAccumulator:
     def __init__(self, spec: ISSpec, batch_normalize: bool) -> None:
         self.spec = spec
         self.batch_normalize = batch_normalize
-        self.sum_w = self.sum_c = self.sum_c2 = 0.0
+        self.sum_w = self.sum_w2 = 0.0  # w is in [0, U]: the clamp c of the spec is w itself
         self.w_max, self.w_min = -math.inf, math.inf
         self.n_high = self.n_low = 0  # valid tokens with raw_w > U / < L
         self.s_max, self.s_min = -math.inf, math.inf  # s_i over all sequences
@@ -93,14 +93,14 @@ class ISAccumulator:
         raw, w = is_weights(b, spec)
         sum_w, sum_w2 = weight_sums(b, spec)
         self.sum_w += sum_w
-        self.sum_c += sum_w  # c = clamp(w, 0, U) is w itself
-        self.sum_c2 += sum_w2
+        self.sum_w2 += sum_w2
         if m.any():
             on_valid = valid(b, w)
             self.w_max = max(self.w_max, float(on_valid.max()))
             self.w_min = min(self.w_min, float(on_valid.min()))
-        self.n_high += count(valid(b, raw) > spec.upper)
-        self.n_low += count(valid(b, raw) < spec.low)
+        raw_valid = valid(b, raw)
+        self.n_high += count(raw_valid > spec.upper)
+        self.n_low += count(raw_valid < spec.low)
         s = b.s
         self.s_max, self.s_min = max(self.s_max, s.max()), min(self.s_min, s.min())
         self.n_s_high += count(s > math.log(spec.upper))
@@ -113,7 +113,7 @@ class ISAccumulator:
         self.q_valid_sum += float(q[b.n > 0].sum())
 
     def merge(self, other: ISAccumulator) -> None:
-        merge_sums(self, other, ("sum_w", "sum_c", "sum_c2", "n_high", "n_low", "n_s_high",
+        merge_sums(self, other, ("sum_w", "sum_w2", "n_high", "n_low", "n_s_high",
                                  "n_s_low", "n_q_high", "n_q_low", "q_valid_sum"))  # fmt: skip
         merge_extremes(self, other, ("w_max", "s_max", "q_dev"), ("w_min", "s_min"))
         self.q.merge(other.q)
@@ -144,8 +144,8 @@ class ISAccumulator:
     def scalars(self, counts: Counts) -> dict[str, float]:
         n = counts.tokens
         out = {"rollout_is_mean": mmean(self.sum_w, n), **self._level_metrics(counts)}
-        out["rollout_is_std"] = clamped_std(self.sum_c, self.sum_c2, n)
-        out["rollout_is_eff_sample_size"] = eff_sample_size(self.sum_c, self.sum_c2, n)
+        out["rollout_is_std"] = clamped_std(self.sum_w, self.sum_w2, n)
+        out["rollout_is_eff_sample_size"] = eff_sample_size(self.sum_w, self.sum_w2, n)
         out["rollout_is_seq_mean"] = self.q.get("mean")
         out["rollout_is_seq_std"] = self.q.std()
         out["rollout_is_seq_max"] = self.q.get("max")

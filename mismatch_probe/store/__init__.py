@@ -455,9 +455,8 @@ def os_error_reason(exc: OSError) -> str:
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     """How every Parquet file probe writes is encoded: zstd, and dictionary pages only for the
     columns of few distinct values (ids, steps, positions, settings, text). The floats (a
-    log-prob per row) and token ids (a vocabulary's worth) get plain pages: a dictionary is
-    tried, abandoned and costs time both ways (writing and reading are several times faster
-    without it, and the file is no larger)."""
+    log-prob per row) and token ids (a vocabulary's worth) get plain pages: a dictionary for
+    them is built, abandoned and paid for on every page, in writing and in reading back."""
     plain = {f.name for f in schema if pa.types.is_floating(f.type)} | {"token_id"}
     return {"compression": "zstd", "use_dictionary": [n for n in schema.names if n not in plain]}
 
