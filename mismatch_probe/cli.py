@@ -222,7 +222,9 @@ def main() -> None:
     into one line and exit code 2, and an interrupt (SIGINT, SIGTERM) into one line and exit
     code 130 or 143. No process the command started outlives a failure or an interrupt."""
     from mismatch_probe.engine.process import descendants
+    from mismatch_probe.malloc import keep_freed_memory
 
+    keep_freed_memory()
     before = set(descendants())
     try:
         with interrupt.handled():

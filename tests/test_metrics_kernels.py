@@ -10,9 +10,12 @@ from mismatch_probe.metrics.accum import uniform_hist
 from mismatch_probe.metrics.curves import (
     POSITION_EDGES,
     PROB_EDGES,
+    PROB_HIST_BINS,
+    BinnedStats,
     bin_index,
     position_bin,
     prob_bin,
+    prob_hist2d,
 )
 
 
@@ -48,3 +51,33 @@ def test_uniform_hist_equals_numpy_histogram(scale: float) -> None:
 def test_uniform_hist_of_nothing() -> None:
     counts, under, over = uniform_hist(np.zeros(0), 5, 0.0, 1.0)
     assert counts.tolist() == [0] * 5 and (under, over) == (0, 0)
+
+
+def test_prob_hist2d_equals_the_clip_then_floor_bins() -> None:
+    rng = np.random.default_rng(2)
+    nb = PROB_HIST_BINS
+    grid = np.arange(nb + 1) / nb
+    x = np.concatenate([rng.random(50_000), _around(grid, -1, 2), [-0.5, 1.5]])
+    y = rng.permutation(x)
+    ix = np.minimum((np.clip(x, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
+    iy = np.minimum((np.clip(y, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
+    expected = np.zeros((nb, nb), np.int64)
+    np.add.at(expected, (ix, iy), 1)
+    assert np.array_equal(prob_hist2d(x, y), expected)
+
+
+def test_crossed_bins_give_each_binning_alone() -> None:
+    """``add_crossed`` fills both tables as two separate ``bincount`` passes would: the same
+    counts, the same sums up to their order of addition."""
+    rng = np.random.default_rng(3)
+    pos = rng.integers(0, 40_000, 30_000)
+    p = rng.random(30_000)
+    values = {name: rng.normal(size=30_000) for name in
+              ("log_ratio", "abs_log_ratio", "k3", "prob_abs_diff")}  # fmt: skip
+    by_pos, by_prob = BinnedStats(POSITION_EDGES, True), BinnedStats(PROB_EDGES, False)
+    BinnedStats.add_crossed(by_pos, position_bin(pos), by_prob, prob_bin(p), values)
+    for stats, idx in ((by_pos, position_bin(pos)), (by_prob, prob_bin(p))):
+        assert np.array_equal(stats.count, np.bincount(idx, minlength=stats.nbins))
+        for name, w in values.items():
+            alone = np.bincount(idx, weights=w, minlength=stats.nbins)
+            np.testing.assert_allclose(stats.sums[name], alone, rtol=1e-12, atol=1e-12)

@@ -41,16 +41,21 @@ def merge_extremes(target: object, other: object, maxes: tuple[str, ...],
 
 
 def uniform_hist(x: np.ndarray, bins: int, lo: float, hi: float) -> tuple[np.ndarray, int, int]:
-    """``np.histogram(x, bins, (lo, hi))`` counts (the same index arithmetic, so the same bin
-    for every value), plus the values below ``lo`` and above ``hi``, in one ``bincount``."""
+    """``np.histogram(x, bins, (lo, hi))`` counts (bins bounded by the same ``linspace`` edges,
+    the last one closed), plus the values below ``lo`` and above ``hi``, in one ``bincount``.
+
+    Slot ``s`` of ``bins + 2`` (underflow, the bins, overflow) holds ``E[s] <= x < E[s + 1]``
+    for ``E = [-inf, edges[:-1], nextafter(hi, inf), inf]``. A value's slot is guessed from
+    ``(x - lo) * bins / (hi - lo)`` (at most one off, at an edge) and corrected against ``E``.
+    """
     edges = np.linspace(lo, hi, bins + 1)
-    f = np.clip((x - lo) / (hi - lo) * bins, 0.0, bins - 1.0)
-    idx = f.astype(np.intp)
-    idx -= x < edges[idx]
-    idx += (x >= edges[idx + 1]) & (idx != bins - 1)
-    slot = np.where(x < lo, -1, np.where(x > hi, bins, idx)) + 1
-    counts = np.bincount(slot, minlength=bins + 2)
-    return counts[1:-1], int(counts[0]), int(counts[-1])
+    bounds = np.concatenate([[-np.inf], edges[:-1], [np.nextafter(hi, np.inf), np.inf, np.inf]])
+    scale = bins / (hi - lo)
+    guess = np.clip(x * scale + (1.0 - lo * scale), 0.0, bins + 1.0).astype(np.intp)
+    guess -= x < bounds.take(guess)
+    guess += x >= bounds[1:].take(guess)  # bounds[guess + 1]
+    counts = np.bincount(guess, minlength=bins + 3)  # slot bins + 2: +inf (never a finite x)
+    return counts[1 : bins + 1], int(counts[0]), int(counts[bins + 1 :].sum())
 
 
 class Moments:

@@ -58,34 +58,37 @@ def _position_lookup() -> np.ndarray:
 
 
 _POSITION_BIN = _position_lookup()
-_PROB_EDGES = np.array(PROB_EDGES)
+_PROB_BOUNDS = np.array([-np.inf, *PROB_EDGES[1:-1], np.inf])  # bin i: [bounds[i], bounds[i+1])
 _PROB_SCALE = 1000  # every PROB_EDGES entry is a multiple of 1/1000
 _PROB_GUESS = bin_index(np.arange(_PROB_SCALE + 1) / _PROB_SCALE, PROB_EDGES, open_last=False)
 
 
 def position_bin(position: np.ndarray) -> np.ndarray:
     """``bin_index(position, POSITION_EDGES, open_last=True)`` by table lookup."""
-    return _POSITION_BIN[np.clip(position, 0, POSITION_EDGES[-1])]
+    return _POSITION_BIN.take(np.clip(position, 0, POSITION_EDGES[-1]))
 
 
 def prob_bin(p: np.ndarray) -> np.ndarray:
     """``bin_index(p, PROB_EDGES, open_last=False)`` for probabilities: the bin of
     ``floor(1000 p) / 1000`` (off by at most one bin where ``1000 p`` rounds across an integer),
-    corrected by comparing with the edges themselves."""
-    nbins = len(PROB_EDGES) - 1
+    corrected by comparing with the edges themselves (the first and last bins unbounded, as
+    ``bin_index`` clips)."""
     guess = np.clip(p * _PROB_SCALE, 0.0, float(_PROB_SCALE)).astype(np.intp)
-    idx = _PROB_GUESS[guess]
-    idx -= (p < _PROB_EDGES[idx]) & (idx > 0)
-    idx += (idx < nbins - 1) & (p >= _PROB_EDGES[idx + 1])
+    idx = _PROB_GUESS.take(guess)
+    idx -= p < _PROB_BOUNDS.take(idx)
+    idx += p >= _PROB_BOUNDS[1:].take(idx)  # _PROB_BOUNDS[idx + 1]
     return idx
 
 
 def prob_hist2d(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """``[B, B]`` counts of pairs in ``[0, 1]^2``: bin ``min(floor(v * B), B - 1)`` per axis."""
+    """``[B, B]`` counts of pairs in ``[0, 1]^2``: bin ``min(floor(v * B), B - 1)`` per axis
+    (``v`` clipped to ``[0, 1]``: the same bin as ``floor(clip(v * B, 0, B - 1))``)."""
     nb = PROB_HIST_BINS
-    ix = np.minimum((np.clip(x, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
-    iy = np.minimum((np.clip(y, 0.0, 1.0) * nb).astype(np.int64), nb - 1)
-    return np.bincount(ix * nb + iy, minlength=nb * nb).reshape(nb, nb)
+    ix = np.clip(x * nb, 0.0, nb - 1.0).astype(np.intp)
+    iy = np.clip(y * nb, 0.0, nb - 1.0).astype(np.intp)
+    ix *= nb
+    ix += iy
+    return np.bincount(ix, minlength=nb * nb).reshape(nb, nb)
 
 
 def seq_hash(seq_id: np.ndarray) -> np.ndarray:
@@ -105,11 +108,23 @@ class BinnedStats:
         self.count = np.zeros(self.nbins, dtype=np.int64)
         self.sums = {name: np.zeros(self.nbins) for name in _BIN_SUMS}
 
-    def add(self, idx: np.ndarray, values: dict[str, np.ndarray]) -> None:
-        """Add the values of rows in bins ``idx`` (``bin_index`` of their keys)."""
-        self.count += np.bincount(idx, minlength=self.nbins)
-        for name in _BIN_SUMS:
-            self.sums[name] += np.bincount(idx, weights=values[name], minlength=self.nbins)
+    @staticmethod
+    def add_crossed(rows: BinnedStats, row_idx: np.ndarray, cols: BinnedStats,
+                    col_idx: np.ndarray, values: dict[str, np.ndarray]) -> None:  # fmt: skip
+        """Add the values of rows to ``rows`` in bins ``row_idx`` and to ``cols`` in bins
+        ``col_idx`` (``bin_index`` of their keys), from one table over the crossed bins: one
+        ``bincount`` per sum for both, a bin's sum the sum of its cells'."""
+        shape = (rows.nbins, cols.nbins)
+        cell = row_idx * cols.nbins
+        cell += col_idx
+        tables = {name: np.bincount(cell, weights=values[name], minlength=shape[0] * shape[1])
+                  for name in _BIN_SUMS}  # fmt: skip
+        count = np.bincount(cell, minlength=shape[0] * shape[1]).reshape(shape)
+        rows.count += count.sum(axis=1)
+        cols.count += count.sum(axis=0)
+        for name, table in tables.items():
+            rows.sums[name] += table.reshape(shape).sum(axis=1)
+            cols.sums[name] += table.reshape(shape).sum(axis=0)
 
     def merge(self, other: BinnedStats) -> None:
         self.count = self.count + other.count
@@ -161,8 +176,8 @@ class CurvesAccumulator:
             "k3": valid(b, clamped_k3(b, None)),
             "prob_abs_diff": valid(b, abs_prob_diff(b, None)),
         }
-        self.by_position.add(position_bin(valid(b, b.position)), values)
-        self.by_prob.add(prob_bin(p_rollout), values)
+        BinnedStats.add_crossed(self.by_position, position_bin(valid(b, b.position)),
+                                self.by_prob, prob_bin(p_rollout), values)  # fmt: skip
         self._update_worst(b)
         self._update_line(b)
 

@@ -453,12 +453,21 @@ def os_error_reason(exc: OSError) -> str:
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
-    """How every Parquet file probe writes is encoded: zstd, and dictionary pages only for the
-    columns of few distinct values (ids, steps, positions, settings, text). The floats (a
-    log-prob per row) and token ids (a vocabulary's worth) get plain pages: a dictionary for
-    them is built, abandoned and paid for on every page, in writing and in reading back."""
-    plain = {f.name for f in schema if pa.types.is_floating(f.type)} | {"token_id"}
-    return {"compression": "zstd", "use_dictionary": [n for n in schema.names if n not in plain]}
+    """How every Parquet file probe writes is encoded: dictionary pages only for the columns of
+    few distinct values (ids, steps, positions, settings, text), zstd for every column but the
+    floats.
+
+    The floats (a log-prob per row) and token ids (a vocabulary's worth) get plain pages: a
+    dictionary for them is built, abandoned and paid for on every page, in writing and in
+    reading back. The floats are stored uncompressed: a log-prob's mantissa bits are noise, so
+    zstd saves a few per cent of their size (``docs/speed.md``) and costs about as much time
+    as the rest of their decoding, in every read."""
+    floats = {f.name for f in schema if pa.types.is_floating(f.type)}
+    plain = floats | {"token_id"}
+    return {
+        "compression": {n: "none" if n in floats else "zstd" for n in schema.names},
+        "use_dictionary": [n for n in schema.names if n not in plain],
+    }
 
 
 def write_table(path: Path, table: pa.Table, schema: pa.Schema, run: dict[str, Any]) -> None:

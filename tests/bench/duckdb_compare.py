@@ -127,8 +127,16 @@ def _duckdb() -> Any:
 
 
 def _child(fn: Any, *args: Any) -> dict[str, Any]:
-    with mp.get_context("spawn").Pool(1) as pool:
+    with mp.get_context("spawn").Pool(1, initializer=_as_probe_starts) as pool:
         return pool.apply(fn, args)
+
+
+def _as_probe_starts() -> None:
+    """Every child, DuckDB's too, starts with glibc's malloc tuned as the probe command tunes
+    it (DuckDB allocates with its own allocator)."""
+    from mismatch_probe.malloc import keep_freed_memory
+
+    keep_freed_memory()
 
 
 def _load() -> list[float]:

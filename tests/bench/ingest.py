@@ -52,7 +52,9 @@ def write_export(
 def _measure(src: str, out: str) -> dict[str, Any]:
     """In a spawned child: one ingest, its wall time and this process's peak RSS."""
     from mismatch_probe.ingest import IngestConfig, run_ingest
+    from mismatch_probe.malloc import keep_freed_memory
 
+    keep_freed_memory()  # as the probe command does at start
     baseline = _peak_rss_kb()
     start = time.perf_counter()
     result = run_ingest(IngestConfig("prime-rl", Path(src), Path(out)))

@@ -69,8 +69,10 @@ def write_synthetic_store(path: Path, tokens: int, seed: int = 0) -> dict[str, i
 
 def _measure(kind: str, path: str) -> dict[str, Any]:
     """Runs in a spawned child: one computation, its time and this process's peak RSS."""
+    from mismatch_probe.malloc import keep_freed_memory
     from mismatch_probe.metrics import MetricsConfig, compute_metrics
 
+    keep_freed_memory()  # as the probe command does at start (the torch reference too)
     if kind == "naive_torch":
         import torch
 
