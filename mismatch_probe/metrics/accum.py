@@ -58,6 +58,13 @@ def uniform_hist(x: np.ndarray, bins: int, lo: float, hi: float) -> tuple[np.nda
     return counts[1 : bins + 1], int(counts[0]), int(counts[bins + 1 :].sum())
 
 
+def products(dx: np.ndarray, dy: np.ndarray) -> tuple[float, float, float]:
+    """``(sum dx^2, sum dy^2, sum dx dy)``: each one fused multiply-add pass (``einsum``: no
+    temporary, and no BLAS, whose threads would spin beside the metric pass's)."""
+    return (float(np.einsum("i,i->", dx, dx)), float(np.einsum("i,i->", dy, dy)),
+            float(np.einsum("i,i->", dx, dy)))  # fmt: skip
+
+
 class Moments:
     """Count, mean, sum of squared deviations, min and max of a stream of values.
 
@@ -120,10 +127,7 @@ class CoMoments:
         if len(x) == 0:
             return
         nb, mxb, myb = len(x), float(np.mean(x)), float(np.mean(y))
-        dxb, dyb = x - mxb, y - myb
-        # elementwise products, not BLAS dot: pairwise-summed and free of thread start-up cost
-        sums = (float((dxb * dxb).sum()), float((dyb * dyb).sum()), float((dxb * dyb).sum()))
-        part = (nb, mxb, myb, *sums)
+        part = (nb, mxb, myb, *products(x - mxb, y - myb))
         self.parts.append(part)
         self._add(*part)
 

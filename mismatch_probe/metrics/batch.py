@@ -246,6 +246,14 @@ def distinct_sorted(labels: np.ndarray) -> int:
     return int(np.count_nonzero(labels[1:] != labels[:-1])) + 1 if len(labels) else 0
 
 
+def distinct_values(x: np.ndarray) -> np.ndarray:
+    """``np.unique(x)``: the distinct values, ascending; without a sort when all are equal
+    (a batch of one step, of one turn)."""
+    if len(x) and x.min() == x.max():
+        return np.unique(x[:1])
+    return np.unique(x)
+
+
 def count(mask: np.ndarray) -> int:
     """Number of True entries of a bool array (``count_nonzero``: no int64 sum)."""
     return int(np.count_nonzero(mask))

@@ -63,6 +63,7 @@ import pyarrow.compute as pc
 from mismatch_probe.metrics.batch import (
     LOGPROB_FLOOR,
     distinct_sorted,
+    distinct_values,
     seq_sums,
     sequence_starts,
 )
@@ -224,10 +225,10 @@ def _by_sequence(seq: np.ndarray, pos: np.ndarray, *arrays: np.ndarray) -> tuple
     (non-decreasing) and ``starts`` ``[S]`` each sequence's first row. Rows that already come so
     (the store's own order) are kept as they are, without a sort."""
     starts = sequence_starts(seq)
-    inside = np.ones(max(len(seq) - 1, 0), dtype=bool)
-    inside[starts[1:] - 1] = False
+    descending = pos[1:] < pos[:-1]  # a row before its predecessor ...
+    descending[starts[1:] - 1] = False  # ... of the same sequence
     contiguous = len(np.unique(seq[starts])) == len(starts)
-    if not (contiguous and bool(np.all(pos[1:][inside] >= pos[:-1][inside]))):
+    if not contiguous or descending.any():
         order = np.lexsort((pos, seq))
         seq, pos = seq[order], pos[order]
         arrays = tuple(a[order] for a in arrays)
@@ -321,22 +322,23 @@ class IntegrityAccumulator:
         r = np.maximum(rollout if every else np.where(finite, rollout, 0.0), LOGPROB_FLOOR)
         nseg = int(seg[-1]) + 1 if len(seg) else 0
         pair = finite[:-1] & finite[1:] & (seg[:-1] == seg[1:]) & (pos[1:] == pos[:-1] + 1)
-        mid = np.flatnonzero(pair[:-1] & pair[1:]) + 1  # rows t with both neighbours paired
-        diffs = {  # k -> absolute differences at the rows ``mid``
-            0: np.abs(t[mid] - r[mid]),
-            1: np.abs(t[mid] - r[mid + 1]),  # train[t] vs rollout[t+1]
-            -1: np.abs(t[mid] - r[mid - 1]),  # train[t] vs rollout[t-1]
+        mid = pair[:-1] & pair[1:]  # rows 1 .. N-2 whose both neighbours are paired with them
+        inner = t[1:-1]
+        diffs = {  # k -> absolute differences at the rows ``mid``, in row order
+            0: np.abs(inner - r[1:-1])[mid],
+            1: np.abs(inner - r[2:])[mid],  # train[t] vs rollout[t+1]
+            -1: np.abs(inner - r[:-2])[mid],  # train[t] vs rollout[t-1]
         }
-        labels = seg[mid]
-        group = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]]) if len(mid) else mid
+        labels = seg[1:-1][mid]
+        group = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]]) if len(labels) else labels
         n = np.zeros(nseg, dtype=np.int64)
-        n[labels[group]] = np.diff(np.append(group, len(mid)))
+        n[labels[group]] = np.diff(np.append(group, len(labels)))
         sums = {}
         for k, d in diffs.items():
             self.shift_sum[k] += float(d.sum())
             self.shift_n[k] += len(d)
             sums[k] = np.zeros(nseg)
-            if len(mid):
+            if len(labels):
                 sums[k][labels[group]] = np.add.reduceat(d, group)
         with np.errstate(invalid="ignore", divide="ignore"):
             held = (n > 0) & shifted(*(sums[k] / n for k in SHIFTS))
@@ -573,7 +575,7 @@ def compute_integrity(
         if not has_step:
             continue
         steps = pc.fill_null(table.column(STEP_COLUMN), -1).to_numpy(zero_copy_only=False)
-        held = np.unique(steps)
+        held = distinct_values(steps)
         if len(held) == 1:  # the usual batch: one step's rows, the batch's own counts
             per_step.setdefault(int(held[0]), IntegrityAccumulator()).merge(batch)
             continue

@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.batch import LOGPROB_FLOOR, distinct_sorted
+from mismatch_probe.metrics.accum import products
+from mismatch_probe.metrics.batch import LOGPROB_FLOOR, count, distinct_sorted, sequence_starts
 
 TEMPERATURE_CHECK, SUPPORT_CHECK = "temperature_mismatch", "truncated_support"
 SAMPLING_CHECKS = (TEMPERATURE_CHECK, SUPPORT_CHECK)
@@ -82,11 +83,19 @@ class SamplingAccumulator:
             return
         self.seqs += distinct_sorted(seg)
         self._moments(x, y)
-        for sign in (-1, 1):
-            hit = sign * y > DIFFERENT
-            self.sign_n[sign] += int(np.count_nonzero(hit))
-            self.sign_seqs[sign] += distinct_sorted(seg[hit])
-            self.hist[sign] += np.bincount(_bins(np.abs(y[hit])), minlength=_NBINS)
+        # No compaction of the differing tokens (a random mask: slow). Every token gets its
+        # bin, the positive side's shifted past the negative side's; a token of neither sign
+        # (|r| read as 1e-6: bin 0) is taken back out of the negative side's bin 0.
+        hits = {-1: y < -DIFFERENT, 1: y > DIFFERENT}
+        slot = _bins(np.maximum(np.abs(y), DIFFERENT)) + hits[1] * _NBINS
+        counts = np.bincount(slot, minlength=2 * _NBINS)
+        starts = sequence_starts(seg)
+        for sign, hit in hits.items():
+            self.sign_n[sign] += count(hit)
+            self.sign_seqs[sign] += count(np.logical_or.reduceat(hit, starts))
+        counts[0] -= len(y) - count(hits[-1]) - count(hits[1])
+        self.hist[-1] += counts[:_NBINS]
+        self.hist[1] += counts[_NBINS:]
 
     def merge(self, other: SamplingAccumulator) -> None:
         """Add another accumulator's tokens (its co-moments merged as one more batch)."""
@@ -101,9 +110,7 @@ class SamplingAccumulator:
     def _moments(self, x: np.ndarray, y: np.ndarray) -> None:
         n, mx, my = len(x), float(x.mean()), float(y.mean())
         dx, dy = x - mx, y - my
-        # elementwise products, not BLAS dot: no BLAS threads spinning beside the metric pass
-        sums = (float((dx * dx).sum()), float((dy * dy).sum()), float((dx * dy).sum()))
-        self._add(n, mx, my, *sums)
+        self._add(n, mx, my, *products(dx, dy))
 
     def _add(self, n: int, mx: float, my: float, sxx: float, syy: float, sxy: float) -> None:
         total = self.n + n

@@ -32,7 +32,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mismatch_probe.metrics.accum import capped, mmean
-from mismatch_probe.metrics.batch import TokenBatch, abs_r, count, first_rows, valid
+from mismatch_probe.metrics.batch import (
+    TokenBatch,
+    abs_r,
+    count,
+    distinct_values,
+    first_rows,
+    valid,
+)
 from mismatch_probe.metrics.offpolicy import batch_k3, valid_k3_sum
 from mismatch_probe.metrics.parity import batch_mult
 from mismatch_probe.store import SEQUENCES_DIR, SEQUENCES_FILE, TOKENS_DIR, TOKENS_FILE
@@ -56,7 +63,7 @@ class TurnAccumulator:
     def update(self, b: TokenBatch, turn: np.ndarray | None) -> None:
         """Add a batch; ``turn`` is ``[N]`` int64, the turn of each row (None: all turn 0)."""
         r, k3, mult, abs_lr = b.r, batch_k3(b, None), batch_mult(b, None), abs_r(b, None)
-        values = [0] if turn is None else _distinct(turn)
+        values = [0] if turn is None else distinct_values(turn).tolist()
         # rows None: every row of the batch is of the one turn
         one = len(values) == 1
         turns: list[tuple[int, np.ndarray | None]] = (
@@ -196,11 +203,3 @@ def rerender_example(tokens: Path, setting: str | None) -> str | None:
         return None
     found = table.column("rerender_context").drop_null()
     return str(found[0]) if len(found) else None
-
-
-def _distinct(turn: np.ndarray) -> list[int]:
-    """The distinct turns of a batch, ascending (one, without sorting, when all are equal)."""
-    if not len(turn):
-        return []
-    lo, hi = int(turn.min()), int(turn.max())
-    return [lo] if lo == hi else np.unique(turn).tolist()
