@@ -34,6 +34,7 @@ RANKS = {
     "hardware": 1, "option_rules": 1,
     "store": 0,  # the contract between stages
     "parallel": -1,  # work on every core, results in a fixed order
+    "malloc": -1,  # glibc's malloc set for batch-sized arrays (the CLI calls it at start)
     "errors": -2,
 }  # fmt: skip
 # The two sides never import each other, nor the other side's library.

@@ -102,6 +102,12 @@ def _metrics_duckdb() -> dict[str, Any]:
     return bench_metrics_duckdb()
 
 
+def _parquet_floats() -> dict[str, Any]:
+    from tests.bench.encoding import bench_parquet_floats
+
+    return bench_parquet_floats()
+
+
 # The CPU features that decide the speed of bf16 generation and rescoring.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -136,6 +142,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "ingest": _ingest,
     "ingest_duckdb": _ingest_duckdb,
     "metrics_duckdb": _metrics_duckdb,
+    "parquet_floats": _parquet_floats,
     "attribution": _attribution,
     "sharded_scan": _sharded_scan,
     "sharded_metrics": _sharded_metrics,

@@ -8,10 +8,12 @@
   dominate?), and the largest relative difference of the per-step k3.
 * ``metrics_duckdb``: ``compute_metrics`` (every metric) of the 10 M-token bench store
   (``metrics.write_synthetic_store``) on every core and on one, against DuckDB's kl, k3_kl,
-  chi2_token, chi2_seq and TIS mean. The goal: within 2x. The two probe runs must agree bit
-  for bit (``bit_identical_1_vs_all_workers``).
+  chi2_token, chi2_seq and TIS mean. The goal: within 2x. The probe runs must agree bit
+  for bit (``bit_identical_1_vs_all_workers``). Also one worker with glibc's default malloc
+  (what ``malloc.keep_freed_memory`` is worth).
 
-Each measurement runs in a fresh ``spawn`` child (its own imports, its own peak RSS). DuckDB is
+Each measurement runs in a fresh ``spawn`` child (its own imports, its own peak RSS), malloc
+set as the probe command sets it (``malloc.keep_freed_memory``). DuckDB is
 a dev dependency of this bench only. The machine's load average is recorded before and after:
 these machines are shared, so only ratios measured side by side mean anything.
 """
@@ -126,8 +128,11 @@ def _duckdb() -> Any:
     return con
 
 
-def _child(fn: Any, *args: Any) -> dict[str, Any]:
-    with mp.get_context("spawn").Pool(1, initializer=_as_probe_starts) as pool:
+def _child(fn: Any, *args: Any, tuned: bool = True) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh spawned process; ``tuned``: malloc as the probe command sets it
+    (False: glibc's defaults, to measure what that setting is worth)."""
+    start = _as_probe_starts if tuned else None
+    with mp.get_context("spawn").Pool(1, initializer=start) as pool:
         return pool.apply(fn, args)
 
 
@@ -186,13 +191,18 @@ def bench_metrics_duckdb() -> dict[str, Any]:
             tries.append(("probe", _child(_probe_metrics, str(path), None)))
             tries.append(("duckdb", _child(_duckdb_five, str(path))))
             tries.append(("probe_1_worker", _child(_probe_metrics, str(path), 1)))
-    probe, duck, serial = (_best(tries, n) for n in ("probe", "duckdb", "probe_1_worker"))
+            tries.append(("untuned", _child(_probe_metrics, str(path), 1, tuned=False)))
+    probe, duck, serial, untuned = (
+        _best(tries, n) for n in ("probe", "duckdb", "probe_1_worker", "untuned")
+    )
     out["probe_all_metrics"] = {"wall_s": probe["wall_s"], "peak_rss_mb": probe["peak_rss_mb"]}
     out["probe_1_worker"] = {"wall_s": serial["wall_s"], "peak_rss_mb": serial["peak_rss_mb"]}
     out["duckdb_five_metrics"] = {"wall_s": duck["wall_s"], "peak_rss_mb": duck["peak_rss_mb"]}
     out["ratio_probe_over_duckdb"] = probe["wall_s"] / duck["wall_s"]
     out["within_2x"] = out["ratio_probe_over_duckdb"] <= 2.0
     out["speedup_all_workers_over_1"] = serial["wall_s"] / probe["wall_s"]
+    out["probe_1_worker_glibc_default_malloc"] = {"wall_s": untuned["wall_s"]}
+    out["speedup_kept_freed_memory_1_worker"] = untuned["wall_s"] / serial["wall_s"]
     exact = {r["exact"] for n, r in tries if n.startswith("probe")}
     out["bit_identical_1_vs_all_workers"] = len(exact) == 1
     out["five_max_rel_diff"] = _rel(probe["five"], duck["five"])
