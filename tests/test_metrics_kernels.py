@@ -27,8 +27,8 @@ def _around(edges: np.ndarray, lo: float, hi: float) -> np.ndarray:
 def test_prob_bin_equals_searchsorted_bins() -> None:
     rng = np.random.default_rng(0)
     edges = np.array(PROB_EDGES)
-    p = np.concatenate([rng.random(100_000), rng.random(10_000) ** 12, _around(edges, 0, 2)])
-    p = np.clip(p, 0.0, 1.0)
+    p = np.concatenate([rng.random(100_000), rng.random(10_000) ** 12, _around(edges, -1, 2)])
+    p = np.concatenate([p, [-np.inf, -3.0, -0.0, 1.5, 7.0, np.inf]])  # outside [0, 1]: clipped
     assert np.array_equal(prob_bin(p), bin_index(p, PROB_EDGES, open_last=False))
 
 
@@ -41,7 +41,8 @@ def test_position_bin_equals_searchsorted_bins() -> None:
 def test_uniform_hist_equals_numpy_histogram(scale: float) -> None:
     rng = np.random.default_rng(1)
     edges = np.linspace(-3.0, 3.0, 122)
-    x = np.concatenate([rng.normal(0.0, scale, 50_000), _around(edges, -9, 9)])
+    x = np.concatenate([rng.normal(0.0, scale, 50_000), _around(edges, -9, 9),
+                        [1e308, -1e308, 5e-324, -5e-324, -0.0]])  # fmt: skip
     counts, under, over = uniform_hist(x, 121, -3.0, 3.0)
     assert np.array_equal(counts, np.histogram(x, bins=121, range=(-3.0, 3.0))[0])
     assert (under, over) == (int((x < -3.0).sum()), int((x > 3.0).sum()))

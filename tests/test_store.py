@@ -184,3 +184,29 @@ def test_atomic_dir_failed_write_leaves_nothing(tmp_path: Path) -> None:
         (tmp / "config.json").write_text("half")
         raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_leaf_but_floats_is_compressed() -> None:
+    """``parquet_options`` keys compression by Parquet leaf (``name.list.element``): lists of
+    ids and expert routes stay zstd, float leaves (scalars or in lists) are plain."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mismatch_probe.store import parquet_options
+
+    schema = pa.schema([("seq_id", pa.int64()), ("train_logprob", pa.float32()),
+                        ("experts", pa.list_(pa.list_(pa.int16()))),
+                        ("logprobs", pa.list_(pa.float32()))])  # fmt: skip
+    table = pa.table({"seq_id": [1, 2], "train_logprob": [-0.5, -1.0],
+                      "experts": [[[1, 2]], [[3, 4]]], "logprobs": [[-0.1], [-0.2]]},
+                     schema=schema)  # fmt: skip
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, **parquet_options(schema))
+    group = pq.ParquetFile(io.BytesIO(buffer.getvalue())).metadata.row_group(0)
+    codecs = {group.column(i).path_in_schema: group.column(i).compression
+              for i in range(group.num_columns)}  # fmt: skip
+    assert codecs == {"seq_id": "ZSTD", "train_logprob": "UNCOMPRESSED",
+                      "experts.list.element.list.element": "ZSTD",
+                      "logprobs.list.element": "UNCOMPRESSED"}  # fmt: skip

@@ -51,7 +51,8 @@ def uniform_hist(x: np.ndarray, bins: int, lo: float, hi: float) -> tuple[np.nda
     edges = np.linspace(lo, hi, bins + 1)
     bounds = np.concatenate([[-np.inf], edges[:-1], [np.nextafter(hi, np.inf), np.inf, np.inf]])
     scale = bins / (hi - lo)
-    guess = np.clip(x * scale + (1.0 - lo * scale), 0.0, bins + 1.0).astype(np.intp)
+    with np.errstate(over="ignore"):  # a huge |x| overflows to an infinity: clipped
+        guess = np.clip(x * scale + (1.0 - lo * scale), 0.0, bins + 1.0).astype(np.intp)
     guess -= x < bounds.take(guess)
     guess += x >= bounds[1:].take(guess)  # bounds[guess + 1]
     counts = np.bincount(guess, minlength=bins + 3)  # slot bins + 2: +inf (never a finite x)
@@ -59,8 +60,8 @@ def uniform_hist(x: np.ndarray, bins: int, lo: float, hi: float) -> tuple[np.nda
 
 
 def products(dx: np.ndarray, dy: np.ndarray) -> tuple[float, float, float]:
-    """``(sum dx^2, sum dy^2, sum dx dy)``: each one fused multiply-add pass (``einsum``: no
-    temporary, and no BLAS, whose threads would spin beside the metric pass's)."""
+    """``(sum dx^2, sum dy^2, sum dx dy)``, each sum one fused pass over its pair (``einsum``:
+    no temporary, and no BLAS, whose threads would spin beside the metric pass's)."""
     return (float(np.einsum("i,i->", dx, dx)), float(np.einsum("i,i->", dy, dy)),
             float(np.einsum("i,i->", dx, dy)))  # fmt: skip
 

@@ -58,7 +58,9 @@ def _position_lookup() -> np.ndarray:
 
 
 _POSITION_BIN = _position_lookup()
-_PROB_BOUNDS = np.array([-np.inf, *PROB_EDGES[1:-1], np.inf])  # bin i: [bounds[i], bounds[i+1])
+# bin i: [bounds[i], bounds[i+1]); the last bin's upper bound is never reached (NaN: even +inf
+# stays in it, as bin_index clips)
+_PROB_BOUNDS = np.array([-np.inf, *PROB_EDGES[1:-1], np.nan])
 _PROB_SCALE = 1000  # every PROB_EDGES entry is a multiple of 1/1000
 _PROB_GUESS = bin_index(np.arange(_PROB_SCALE + 1) / _PROB_SCALE, PROB_EDGES, open_last=False)
 

@@ -459,15 +459,25 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
 
     The floats (a log-prob per row) and token ids (a vocabulary's worth) get plain pages: a
     dictionary for them is built, abandoned and paid for on every page, in writing and in
-    reading back. The floats are stored uncompressed: a log-prob's mantissa bits are noise, so
-    zstd saves a few per cent of their size (``docs/speed.md``) and costs about as much time
-    as the rest of their decoding, in every read."""
-    floats = {f.name for f in schema if pa.types.is_floating(f.type)}
-    plain = floats | {"token_id"}
+    reading back. Float leaves (log-probs, also inside lists) are stored uncompressed: zstd
+    saves a few per cent of their size and more than doubles their read time (``make bench
+    parquet_floats``); every other leaf (lists of ids and expert routes included) is zstd."""
+    plain = {f.name for f in schema if pa.types.is_floating(f.type)} | {"token_id"}
+    compression = {path: "none" if floats else "zstd" for path, floats in _leaves(schema)}
     return {
-        "compression": {n: "none" if n in floats else "zstd" for n in schema.names},
+        "compression": compression,
         "use_dictionary": [n for n in schema.names if n not in plain],
     }
+
+
+def _leaves(schema: pa.Schema) -> list[tuple[str, bool]]:
+    """Each Parquet leaf column of ``schema`` (``name``, ``name.list.element``, ...: the paths
+    a per-column option is keyed by) and whether it holds floats, as pyarrow writes them."""
+    buffer = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), buffer)
+    layout = pq.ParquetFile(pa.BufferReader(buffer.getvalue())).metadata.schema
+    leaves = (layout.column(i) for i in range(len(layout)))
+    return [(c.path, c.physical_type in ("FLOAT", "DOUBLE")) for c in leaves]
 
 
 def write_table(path: Path, table: pa.Table, schema: pa.Schema, run: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@
   (``metrics.write_synthetic_store``) on every core and on one, against DuckDB's kl, k3_kl,
   chi2_token, chi2_seq and TIS mean. The goal: within 2x. The probe runs must agree bit
   for bit (``bit_identical_1_vs_all_workers``). Also one worker with glibc's default malloc
-  (what ``malloc.keep_freed_memory`` is worth).
+  (what ``malloc.keep_freed_memory`` is worth), and one worker in each of two processes at
+  once (how much the cores slow each other down: the ceiling of any parallel speed-up here).
 
 Each measurement runs in a fresh ``spawn`` child (its own imports, its own peak RSS), malloc
 set as the probe command sets it (``malloc.keep_freed_memory``). DuckDB is
@@ -136,6 +137,26 @@ def _child(fn: Any, *args: Any, tuned: bool = True) -> dict[str, Any]:
         return pool.apply(fn, args)
 
 
+def _two_at_once(fn: Any, *args: Any) -> dict[str, Any]:
+    """``fn(*args)`` in two fresh processes at the same time (each started as ``_child``'s):
+    the slower one's result."""
+    ctx = mp.get_context("spawn")
+    pools = [ctx.Pool(1, initializer=_as_probe_starts) for _ in range(2)]  # one process each
+    try:
+        for pool in pools:  # both started and imported before either computes
+            pool.apply(_import_metrics)
+        runs = [pool.apply_async(fn, args) for pool in pools]
+        return max((r.get() for r in runs), key=lambda r: r["wall_s"])
+    finally:
+        for pool in pools:
+            pool.close()
+            pool.join()
+
+
+def _import_metrics() -> None:
+    import mismatch_probe.metrics  # noqa: F401  (the imports done before the clock starts)
+
+
 def _as_probe_starts() -> None:
     """Every child, DuckDB's too, starts with glibc's malloc tuned as the probe command tunes
     it (DuckDB allocates with its own allocator)."""
@@ -192,8 +213,9 @@ def bench_metrics_duckdb() -> dict[str, Any]:
             tries.append(("duckdb", _child(_duckdb_five, str(path))))
             tries.append(("probe_1_worker", _child(_probe_metrics, str(path), 1)))
             tries.append(("untuned", _child(_probe_metrics, str(path), 1, tuned=False)))
-    probe, duck, serial, untuned = (
-        _best(tries, n) for n in ("probe", "duckdb", "probe_1_worker", "untuned")
+            tries.append(("two_at_once", _two_at_once(_probe_metrics, str(path), 1)))
+    probe, duck, serial, untuned, shared = (
+        _best(tries, n) for n in ("probe", "duckdb", "probe_1_worker", "untuned", "two_at_once")
     )
     out["probe_all_metrics"] = {"wall_s": probe["wall_s"], "peak_rss_mb": probe["peak_rss_mb"]}
     out["probe_1_worker"] = {"wall_s": serial["wall_s"], "peak_rss_mb": serial["peak_rss_mb"]}
@@ -202,8 +224,11 @@ def bench_metrics_duckdb() -> dict[str, Any]:
     out["within_2x"] = out["ratio_probe_over_duckdb"] <= 2.0
     out["speedup_all_workers_over_1"] = serial["wall_s"] / probe["wall_s"]
     out["probe_1_worker_glibc_default_malloc"] = {"wall_s": untuned["wall_s"]}
+    # what two cores can give: one worker each in two processes at once, against one alone
+    out["probe_1_worker_two_processes_at_once"] = {"wall_s": shared["wall_s"]}
+    out["slowdown_two_processes_at_once"] = shared["wall_s"] / serial["wall_s"]
     out["speedup_kept_freed_memory_1_worker"] = untuned["wall_s"] / serial["wall_s"]
-    exact = {r["exact"] for n, r in tries if n.startswith("probe")}
+    exact = {r["exact"] for n, r in tries if n != "duckdb"}  # every probe run: the same bits
     out["bit_identical_1_vs_all_workers"] = len(exact) == 1
     out["five_max_rel_diff"] = _rel(probe["five"], duck["five"])
     out["load_after"] = _load()
