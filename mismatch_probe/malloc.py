@@ -17,6 +17,7 @@ malloc in the environment.
 from __future__ import annotations
 
 import os
+import re
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -31,7 +32,7 @@ def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds (``MMAP_THRESHOLD``, ``TRIM_THRESHOLD``); whether
     both were set. Nothing is changed where the C library is not glibc, or where the user has
     set glibc's malloc through the environment (``USER_SETTINGS``): theirs stands."""
-    if not _glibc() or any(name in os.environ for name in USER_SETTINGS):
+    if glibc_version() is None or any(name in os.environ for name in USER_SETTINGS):
         return False
     try:
         import ctypes
@@ -50,13 +51,5 @@ def glibc_version() -> tuple[int, int] | None:
         text = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"
     except (ValueError, OSError, AttributeError):  # not a glibc system
         return None
-    if not text or not text.startswith("glibc "):
-        return None
-    major, _, minor = text.split()[1].partition(".")
-    return (
-        (int(major), int(minor.split(".")[0])) if major.isdigit() and minor[:1].isdigit() else None
-    )
-
-
-def _glibc() -> bool:
-    return glibc_version() is not None
+    found = re.match(r"glibc (\d+)\.(\d+)", text or "")
+    return (int(found[1]), int(found[2])) if found else None

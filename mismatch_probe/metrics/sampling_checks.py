@@ -90,10 +90,11 @@ class SamplingAccumulator:
         slot = _bins(np.maximum(np.abs(y), DIFFERENT)) + hits[1] * _NBINS
         counts = np.bincount(slot, minlength=2 * _NBINS)
         starts = sequence_starts(seg)
+        n = {sign: count(hit) for sign, hit in hits.items()}
         for sign, hit in hits.items():
-            self.sign_n[sign] += count(hit)
+            self.sign_n[sign] += n[sign]
             self.sign_seqs[sign] += count(np.logical_or.reduceat(hit, starts))
-        counts[0] -= len(y) - count(hits[-1]) - count(hits[1])
+        counts[0] -= len(y) - n[-1] - n[1]
         self.hist[-1] += counts[:_NBINS]
         self.hist[1] += counts[_NBINS:]
 

@@ -454,7 +454,7 @@ def os_error_reason(exc: OSError) -> str:
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     """How every Parquet file probe writes is encoded: dictionary pages only for the columns of
-    few distinct values (ids, steps, positions, settings, text), zstd for every column but the
+    few distinct values (ids, steps, positions, settings, text), zstd for every leaf but the
     floats.
 
     The floats (a log-prob per row) and token ids (a vocabulary's worth) get plain pages: a
