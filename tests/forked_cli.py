@@ -3,15 +3,17 @@
 A ``probe scan`` process spends most of a tiny scan importing torch, vLLM and transformers
 (20 s on a slow CPU). ``Forker`` starts one process that imports them and ``mismatch_probe.cli``
 once, then forks a child per command: the child is a fresh process with its own session (a
-process group to signal, as ``start_new_session``), stdout to /dev/null, stderr to a file, its
-own environment and ``sys.argv``, and runs ``cli.main()`` to its exit code, as the console
-script does. The forking process has started no thread or engine, so a child is as clean as a
-new process that has just imported the same modules. A test that checks the console script
-itself or the output of the imports (``--verbose``) starts a real subprocess instead.
+process group to signal, as ``start_new_session``), stdout to a file or /dev/null, stderr to a
+file, its own working directory, environment and ``sys.argv``, and runs ``cli.main()`` to its
+exit code, as the console script does. The forking process has started no thread or engine,
+so a child is as clean as a new process that has just imported the same modules. A test that
+checks the console script itself or the output of the imports (``--verbose``) starts a real
+subprocess instead.
 
 Protocol: one JSON line per command on the forker's stdin (``args``, ``env``, ``stderr``,
-``pid_file``, ``exit_file``); the forker writes the child's pid to ``pid_file`` once forked and
-its exit code (negative: killed by that signal) to ``exit_file`` once reaped.
+``stdout`` (null: /dev/null), ``cwd`` (null: the forker's), ``pid_file``, ``exit_file``); the
+forker writes the child's pid to ``pid_file`` once forked and its exit code (negative: killed
+by that signal) to ``exit_file`` once reaped.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def child(job):
     os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
-    os.dup2(null, 1)
+    out = job.get("stdout")
+    os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if out else null, 1)
     os.dup2(os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    if job.get("cwd"):
+        os.chdir(job["cwd"])
     os.environ.update(job["env"])
     sys.argv = ["probe", *job["args"]]
     code = 1
@@ -90,10 +95,18 @@ class Forker:
         )
         self.lock = threading.Lock()
 
-    def start(self, args: list[str], env: dict[str, str], stderr: Path) -> tuple[int, Path]:
+    def start(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        stderr: Path,
+        stdout: Path | None = None,
+        cwd: Path | None = None,
+    ) -> tuple[int, Path]:
         """Fork ``probe ARGS``: its pid and the file its exit code will be written to."""
         pid_file, exit_file = stderr.with_suffix(".pid"), stderr.with_suffix(".exit")
         job = {"args": args, "env": env, "stderr": str(stderr)}
+        job |= {"stdout": str(stdout) if stdout else None, "cwd": str(cwd) if cwd else None}
         job |= {"pid_file": str(pid_file), "exit_file": str(exit_file)}
         with self.lock:
             assert self.proc.stdin is not None
@@ -105,6 +118,17 @@ class Forker:
                 raise RuntimeError(f"the forking process ended ({self.proc.returncode})")
             time.sleep(0.05)
         return int(pid_file.read_text()), exit_file
+
+    def run(self, args: list[str], env: dict[str, str], stderr: Path, stdout: Path,
+            cwd: Path, timeout: float = 1800) -> int:  # fmt: skip
+        """Fork ``probe ARGS`` and wait for its exit code (negative: killed by that signal)."""
+        _, exit_file = self.start(args, env, stderr, stdout, cwd)
+        deadline = time.monotonic() + timeout
+        while not exit_file.is_file():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"probe {' '.join(args)} did not end ({self.proc.returncode})")
+            time.sleep(0.05)
+        return int(exit_file.read_text())
 
     def close(self) -> None:
         """Wait for every child to be reaped, then for the forker to end."""

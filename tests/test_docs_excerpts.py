@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ import pytest
 from mismatch_probe.cli_help import EXAMPLES
 from mismatch_probe.metrics import PRESETS
 from mismatch_probe.metrics.names import STRUCTURED, lookup
+from tests.forked_cli import Forker
 
 pytestmark = pytest.mark.engine
 
@@ -155,35 +156,47 @@ def stretches(body: str) -> list[list[str]]:
 
 class Fresh:
     """Each excerpt's scan, run when a test first asks for it: ``fresh[name]`` is
-    ``(run directory, stdout)``."""
+    ``(run directory, stdout)``. The commands are forked from one process that has imported
+    torch, vLLM and transformers once (``tests/forked_cli.py``): each runs ``cli.main()`` as
+    the console script does, without paying those imports again."""
 
     def __init__(self, root: pytest.TempPathFactory) -> None:
         self.root = root
         self.runs: dict[str, tuple[Path, str]] = {}
+        self.forker: Forker | None = None
 
     def __getitem__(self, name: str) -> tuple[Path, str]:
         if name not in self.runs:
             self.runs[name] = self._scan(name, RUNS[name])
         return self.runs[name]
 
+    def probe(self, args: list[str], cwd: Path) -> str:
+        """``probe ARGS`` in ``cwd``: its stdout (it must exit 0)."""
+        self.forker = self.forker or Forker()
+        stdout, stderr = cwd / f"{args[0]}.stdout", cwd / f"{args[0]}.stderr"
+        code = self.forker.run(args, {"COLUMNS": WIDE}, stderr, stdout, cwd)
+        assert code == 0, f"probe {shlex.join(args)}:\n{stderr.read_text()[-3000:]}"
+        return stdout.read_text()
+
     def _scan(self, name: str, run: Run) -> tuple[Path, str]:
-        env = {**os.environ, "COLUMNS": WIDE}
         cwd = self.root.mktemp(name)
         args = list(run.args)
         if run.moe:
             model = cwd / "tiny-moe"
-            tiny = [PROBE, "models", "tiny", str(model), "--arch", "qwen3_moe"]
-            subprocess.run(tiny, check=True, capture_output=True, cwd=cwd, env=env)
+            self.probe(["models", "tiny", str(model), "--arch", "qwen3_moe"], cwd)
             args = ["--model", str(model), *args]
-        cmd = [PROBE, "scan", *args, "--out", FRESH]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=1800)
-        assert out.returncode == 0, f"{shlex.join(cmd)}:\n{out.stderr[-3000:]}"
-        return cwd / FRESH, out.stdout
+        return cwd / FRESH, self.probe(["scan", *args, "--out", FRESH], cwd)
+
+    def close(self) -> None:
+        if self.forker is not None:
+            self.forker.close()
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory: pytest.TempPathFactory) -> Fresh:
-    return Fresh(tmp_path_factory)
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fresh]:
+    runs = Fresh(tmp_path_factory)
+    yield runs
+    runs.close()
 
 
 def test_every_excerpt_has_a_run() -> None:

@@ -16,6 +16,7 @@ import pytest
 from rich.console import Console
 
 from mismatch_probe import store
+from mismatch_probe.engine import rollout
 from mismatch_probe.pipeline.config import ScanConfig
 from mismatch_probe.pipeline.scan import run_scan
 from mismatch_probe.pipeline.sharding import run_sharded
@@ -99,6 +100,11 @@ def test_run_json_says_why_later_turns_were_not_cached(matrix: Any) -> None:
                  "uncached_partial_block_tokens", "uncached_other_tokens")  # fmt: skip
         assert sum(cache[k] for k in parts) == cache["prompt_tokens"] > 0
         assert cache["later_turn_requests"] == 2 * (2 + 1) and cache["block_size"] > 0
+        # the CPU backend's smaller block for a multi-turn scan: the engine ran with it, and
+        # each later turn recomputes less than one block of the turn before it
+        block = rollout.CPU_PREFIX_REUSE_DEFAULTS["block_size"]
+        assert cache["block_size"] == entry["engine_args"]["block_size"] == block
+        assert cache["uncached_partial_block_tokens"] < block * cache["later_turn_requests"]
 
 
 def test_metrics_json_per_turn(matrix: Any) -> None:

@@ -34,6 +34,13 @@ CPU_ENGINE_DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
 }
 COMMON_ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True, "use_tqdm_on_load": False}
+# On the CPU backend, for a scan whose later requests repeat earlier ones (multi-turn: each turn's
+# prompt holds the turns before it). The prefix cache keeps whole KV blocks, and the CPU
+# backend's default block is 128 tokens: each later turn recomputed the previous turn's last,
+# partial block (up to 127 tokens). 32 is the smallest block it prefers (multiples of 32:
+# vllm/platforms/cpu.py); GPU backends default to 16 already. ``make bench multiturn``
+# measures it (``docs/speed.md``).
+CPU_PREFIX_REUSE_DEFAULTS: dict[str, Any] = {"block_size": 32}
 # Environment of every engine (scoped to its life; a value the user set wins): vLLM's own log
 # quiet, and model paths are local, so the engine never asks a model hub.
 ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
@@ -135,14 +142,18 @@ def engine_kwargs(
     spec: SamplingSpec,
     max_model_len: int,
     extra: dict[str, Any],
+    prefix_reuse: bool = False,
 ) -> dict[str, Any]:
     """All arguments for ``vllm.LLM``, later entries winning: platform defaults, our explicit
-    settings, the precision setting's overrides, then the user's ``--vllm-arg`` values."""
+    settings, the precision setting's overrides, then the user's ``--vllm-arg`` values.
+    ``prefix_reuse``: later requests repeat earlier ones (a multi-turn scan), so the platform's
+    prefix-cache defaults apply too."""
     from vllm.platforms import current_platform
 
     defaults = dict(COMMON_ENGINE_DEFAULTS)
     if current_platform.is_cpu():
         defaults.update(CPU_ENGINE_DEFAULTS)
+        defaults.update(CPU_PREFIX_REUSE_DEFAULTS if prefix_reuse else {})
         if all(int(extra.get(name, 1)) == 1 for name in _WORLD_SIZE_ARGS):
             defaults.update(IN_PROCESS_KWARGS)  # one worker: in this process
     return {

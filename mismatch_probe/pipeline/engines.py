@@ -139,7 +139,12 @@ def _started(cfg: ScanConfig, prep: Prepared, run: RolloutRun, timer: Timer) -> 
             rollout.check_supported(run.setting)
             extra = {**prep.engine_defaults, **layers.engine_kwargs(cfg), **cfg.vllm_args}
             kwargs = rollout.engine_kwargs(
-                prep.model_dir, run.setting, cfg.sampling, prep.max_model_len, extra
+                prep.model_dir,
+                run.setting,
+                cfg.sampling,
+                prep.max_model_len,
+                extra,
+                prefix_reuse=turns.multi_turn(prep.prompts),
             )
             run.engine_args = {**kwargs, **routes.engine_kwargs(prep.routing)}
             env = {

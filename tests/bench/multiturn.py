@@ -9,6 +9,9 @@ token: ``ratio = (multi-turn seconds / token) / (single-turn seconds / token)`` 
 and rescoring (the goal: within 1.3). Trajectories advance independently in the engine's
 request loop (``engine.turns``); ``prefix_cache`` says how many later-turn prompt tokens the
 cache held and why the rest was not held (new context, partial KV blocks, other).
+``default_block`` is the 3-turn scan again with the CPU backend's default KV block (128 tokens)
+instead of the smaller one probe asks for in a multi-turn scan (``rollout.
+CPU_PREFIX_REUSE_DEFAULTS``): what that block is worth, in the same run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ MAX_TOKENS = 32
 TURNS = 3
 REPEATS = 2  # A/B alternated, best of each
 GOAL = 1.3  # multi-turn seconds per token over single-turn
+DEFAULT_CPU_BLOCK = 128  # vLLM's KV block on the CPU backend (vllm/platforms/cpu.py)
 # An agent's system prompt is long (tools, rules): its blocks are what the prefix cache keeps.
 SYSTEM = (
     "You are a storyteller agent. You write vivid, detailed stories with named characters, "
@@ -59,10 +63,13 @@ def _conversations() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return multi, single
 
 
-def _scan(lines: list[dict[str, Any]], max_tokens: int, tmp: Path, name: str) -> dict[str, Any]:
+def _scan(
+    lines: list[dict[str, Any]], max_tokens: int, tmp: Path, name: str, **vllm_args: Any
+) -> dict[str, Any]:
     path = tmp / f"{name}.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    cfg = ScanConfig(prompts=path, sampling=SamplingSpec(max_tokens=max_tokens), out=tmp / name)
+    spec = SamplingSpec(max_tokens=max_tokens)
+    cfg = ScanConfig(prompts=path, sampling=spec, out=tmp / name, vllm_args=vllm_args)
     result = run_scan(cfg, Console(stderr=True))
     timings = result.run["timings"]
     tokens = result.metrics["num_tokens"]
@@ -83,19 +90,25 @@ def bench_multiturn() -> dict[str, Any]:
 
     multi, single = _conversations()
     load_before = [round(x, 2) for x in os.getloadavg()]
-    tries: dict[str, list[dict[str, Any]]] = {"multi": [], "single": []}
+    tries: dict[str, list[dict[str, Any]]] = {"multi": [], "single": [], "default_block": []}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(REPEATS):
             tries["multi"].append(_scan(multi, MAX_TOKENS, Path(tmp), f"multi{k}"))
             tries["single"].append(_scan(single, TURNS * MAX_TOKENS, Path(tmp), f"single{k}"))
+            tries["default_block"].append(
+                _scan(multi, MAX_TOKENS, Path(tmp), f"block{k}", block_size=DEFAULT_CPU_BLOCK)
+            )
     total = lambda r: r["generation_seconds"] + r["rescoring_seconds"]  # noqa: E731
-    three, one = (min(tries[n], key=total) for n in ("multi", "single"))
+    three, one, default = (min(tries[n], key=total) for n in ("multi", "single", "default_block"))
     return {
         "prompts": PROMPTS,
         "ratio_seconds": total(three) / total(one),
         "multi_turn": {"turns": TURNS, "max_tokens_per_turn": MAX_TOKENS, **three},
         "single_turn": {"max_tokens": TURNS * MAX_TOKENS, **one},
         "ratio_seconds_per_token": three["seconds_per_token"] / one["seconds_per_token"],
+        "default_block": {"block_size": DEFAULT_CPU_BLOCK, **default},
+        "speedup_per_token_smaller_block": default["seconds_per_token"]
+        / three["seconds_per_token"],
         "goal_ratio": GOAL,
         "load": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
     }
