@@ -1,12 +1,21 @@
 """The metric engine's fast kernels give exactly what the plain numpy calls they replace give:
-the same bin for every value (boundaries and their neighbours included), the same counts."""
+the same bin for every value (boundaries and their neighbours included), the same counts; the
+per-token arrays shared between the clamped and unclamped formulas are each formula's bits."""
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from mismatch_probe.metrics.accum import uniform_hist
+from mismatch_probe.metrics.batch import (
+    SAFETY_BOUND,
+    batch_from_table,
+    clamped_k3,
+    clamped_r,
+    within_bound,
+)
 from mismatch_probe.metrics.curves import (
     POSITION_EDGES,
     PROB_EDGES,
@@ -17,6 +26,9 @@ from mismatch_probe.metrics.curves import (
     prob_bin,
     prob_hist2d,
 )
+from mismatch_probe.metrics.diagnostics import TAU_GRID, DiagnosticsAccumulator, ratio_spread
+from mismatch_probe.metrics.offpolicy import batch_k3, k3_terms
+from mismatch_probe.metrics.parity import batch_mult, mult_prob_error
 
 
 def _around(edges: np.ndarray, lo: float, hi: float) -> np.ndarray:
@@ -84,3 +96,29 @@ def test_crossed_bins_give_each_binning_alone() -> None:
             # any order of summing a bin's n terms: within n * eps * (sum of their |w|)
             bound = len(w) * np.finfo(np.float64).eps * np.bincount(idx, np.abs(w), stats.nbins)
             assert np.all(np.abs(stats.sums[name] - alone) <= bound)
+
+
+@pytest.mark.parametrize("beyond", [0.0, 20.0, 20.5, 700.5])
+def test_shared_per_token_arrays_equal_their_formulas(beyond: float) -> None:
+    """Where no ``|r|`` exceeds B the clamped arrays are the unclamped ones (computed once);
+    with one token beyond B (or exactly at it) each is still its own formula, bit for bit."""
+    rng = np.random.default_rng(1)
+    n = 5_000
+    rollout = -rng.exponential(1.0, n)
+    train = rollout + rng.normal(0.0, 0.3, n)
+    train[17] = rollout[17] - beyond  # r = -beyond at one token
+    seq, pos = np.repeat(np.arange(50), 100), np.tile(np.arange(100), 50)
+    table = pa.table({"seq_id": seq, "position": pos, "train_logprob": train,
+                      "rollout_logprob": rollout})  # fmt: skip
+    b = batch_from_table(table)
+    r = b.r
+    assert within_bound(b, None) == (beyond <= SAFETY_BOUND)
+    rs = np.clip(r, -SAFETY_BOUND, SAFETY_BOUND)
+    assert np.array_equal(clamped_r(b, None), rs)
+    assert np.array_equal(clamped_k3(b, None), np.expm1(rs) - rs)
+    assert np.array_equal(batch_k3(b, None), k3_terms(r))
+    assert np.array_equal(batch_mult(b, None), mult_prob_error(r))
+    spread = DiagnosticsAccumulator(has_flip=False)
+    spread.update(b)
+    expected = [np.count_nonzero(ratio_spread(r) > tau) for tau in TAU_GRID]
+    assert spread.n_tau.tolist() == expected

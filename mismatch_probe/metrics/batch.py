@@ -286,16 +286,41 @@ def per_batch(fn: Callable[[TokenBatch, Any], T]) -> Callable[[TokenBatch, Any],
 
 
 @per_batch
+def within_bound(b: TokenBatch, _: None = None) -> bool:
+    """True when every ``|r| <= B`` (the usual case): ``clampB`` changes nothing, so the
+    clamped and unclamped per-token arrays are the same values and are computed once."""
+    abs_lr = abs_r(b, None)
+    return not len(abs_lr) or float(abs_lr.max()) <= SAFETY_BOUND
+
+
+@per_batch
 def clamped_r(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``clampB(r)``."""
-    return clamp_b(b.r)
+    """``[N]`` ``clampB(r)`` (``r`` itself when ``within_bound``)."""
+    return b.r if within_bound(b, None) else clamp_b(b.r)
+
+
+@per_batch
+def unclamped_k3(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``exp(r) - r - 1`` as ``expm1(r) - r``; ``+inf`` where ``exp(r)`` overflows."""
+    with np.errstate(over="ignore"):
+        return np.expm1(b.r) - b.r
 
 
 @per_batch
 def clamped_k3(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``k3 = expm1(rs) - rs`` on ``rs = clampB(r)``."""
+    """``[N]`` ``k3 = expm1(rs) - rs`` on ``rs = clampB(r)`` (``unclamped_k3`` when
+    ``within_bound``: the same inputs, so the same bits)."""
+    if within_bound(b, None):
+        return unclamped_k3(b, None)
     rs = clamped_r(b, None)
     return np.expm1(rs) - rs
+
+
+@per_batch
+def exp_abs_r(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``exp(clampB(|r|))`` (``>= 1``; at most ``e^20``): NeMo-RL's multiplicative
+    error per token and, when ``within_bound``, ``max(rho, 1/rho)`` itself."""
+    return np.exp(np.minimum(abs_r(b, None), SAFETY_BOUND))
 
 
 @per_batch

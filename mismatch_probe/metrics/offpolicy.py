@@ -21,6 +21,7 @@ from mismatch_probe.metrics.batch import (
     clamped_rho,
     per_batch,
     seg_mean,
+    unclamped_k3,
     valid,
 )
 
@@ -36,10 +37,9 @@ def k3_terms(r: np.ndarray) -> np.ndarray:
         return np.expm1(r) - r
 
 
-@per_batch
 def batch_k3(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``k3_terms(r)`` (memoised: the per-turn metrics share it)."""
-    return k3_terms(b.r)
+    """``[N]`` ``k3_terms(r)`` (memoised: the per-turn metrics and ``clamped_k3`` share it)."""
+    return unclamped_k3(b, None)
 
 
 @per_batch

@@ -37,8 +37,8 @@ from mismatch_probe.metrics.batch import (
     abs_r,
     clamp_b,
     count,
+    exp_abs_r,
     first_valid_rows,
-    per_batch,
     seg_mean,
     valid,
 )
@@ -58,10 +58,10 @@ def first_token_rows(b: TokenBatch) -> np.ndarray:
     return first_valid_rows(b, None)
 
 
-@per_batch
 def batch_mult(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``mult_prob_error(r)`` (memoised: the per-turn metrics share it)."""
-    return mult_prob_error(b.r)
+    """``[N]`` ``mult_prob_error(r)`` (memoised: the per-turn metrics and the diagnostics'
+    ratio spread share it; ``clampB(|r|)`` is ``min(|r|, B)``, the same values)."""
+    return exp_abs_r(b, None)
 
 
 class ParityAccumulator:
