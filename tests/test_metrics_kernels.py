@@ -12,8 +12,10 @@ from mismatch_probe.metrics.accum import uniform_hist
 from mismatch_probe.metrics.batch import (
     SAFETY_BOUND,
     batch_from_table,
+    batch_k3,
     clamped_k3,
     clamped_r,
+    k3_terms,
     within_bound,
 )
 from mismatch_probe.metrics.curves import (
@@ -27,7 +29,6 @@ from mismatch_probe.metrics.curves import (
     prob_hist2d,
 )
 from mismatch_probe.metrics.diagnostics import TAU_GRID, DiagnosticsAccumulator, ratio_spread
-from mismatch_probe.metrics.offpolicy import batch_k3, k3_terms
 from mismatch_probe.metrics.parity import batch_mult, mult_prob_error
 
 
@@ -106,7 +107,7 @@ def test_shared_per_token_arrays_equal_their_formulas(beyond: float) -> None:
     n = 5_000
     rollout = -rng.exponential(1.0, n)
     train = rollout + rng.normal(0.0, 0.3, n)
-    train[17] = rollout[17] - beyond  # r = -beyond at one token
+    rollout[17], train[17] = 0.0, -beyond  # r = -beyond exactly at one token
     seq, pos = np.repeat(np.arange(50), 100), np.tile(np.arange(100), 50)
     table = pa.table({"seq_id": seq, "position": pos, "train_logprob": train,
                       "rollout_logprob": rollout})  # fmt: skip

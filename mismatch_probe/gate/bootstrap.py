@@ -28,9 +28,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from mismatch_probe import store
-from mismatch_probe.metrics.batch import EPS, batch_from_table, clamp_b, seg_sum
+from mismatch_probe.metrics.batch import EPS, batch_from_table, clamp_b, k3_terms, seg_sum
 from mismatch_probe.metrics.diagnostics import ratio_spread
-from mismatch_probe.metrics.offpolicy import k3_terms
 
 MIN_SEQUENCES = 20
 RESAMPLES = 2000

@@ -42,8 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.metrics.accum import capped, mmean
-from mismatch_probe.metrics.batch import LOGPROB_FLOOR
-from mismatch_probe.metrics.offpolicy import k3_terms
+from mismatch_probe.metrics.batch import LOGPROB_FLOOR, k3_terms
 from mismatch_probe.store import (
     RUNG_FIELDS,
     iter_sequence_batches,

@@ -299,28 +299,23 @@ def clamped_r(b: TokenBatch, _: None = None) -> np.ndarray:
     return b.r if within_bound(b, None) else clamp_b(b.r)
 
 
-@per_batch
-def unclamped_k3(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``exp(r) - r - 1`` as ``expm1(r) - r``; ``+inf`` where ``exp(r)`` overflows."""
+def k3_terms(r: np.ndarray) -> np.ndarray:
+    """Per-token ``exp(r) - r - 1`` (as ``expm1(r) - r``); ``+inf`` where ``exp(r)`` overflows."""
     with np.errstate(over="ignore"):
-        return np.expm1(b.r) - b.r
+        return np.expm1(r) - r
+
+
+@per_batch
+def batch_k3(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``[N]`` ``k3_terms(r)``, unclamped (the per-turn metrics and ``clamped_k3`` share it)."""
+    return k3_terms(b.r)
 
 
 @per_batch
 def clamped_k3(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``k3 = expm1(rs) - rs`` on ``rs = clampB(r)`` (``unclamped_k3`` when
-    ``within_bound``: the same inputs, so the same bits)."""
-    if within_bound(b, None):
-        return unclamped_k3(b, None)
-    rs = clamped_r(b, None)
-    return np.expm1(rs) - rs
-
-
-@per_batch
-def exp_abs_r(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``exp(clampB(|r|))`` (``>= 1``; at most ``e^20``): NeMo-RL's multiplicative
-    error per token and, when ``within_bound``, ``max(rho, 1/rho)`` itself."""
-    return np.exp(np.minimum(abs_r(b, None), SAFETY_BOUND))
+    """``[N]`` ``k3_terms(clampB(r))``: ``batch_k3`` itself when ``within_bound`` (the same
+    inputs, so the same bits)."""
+    return batch_k3(b, None) if within_bound(b, None) else k3_terms(clamped_r(b, None))
 
 
 @per_batch

@@ -27,13 +27,13 @@ from mismatch_probe.metrics.batch import (
     abs_r,
     clamped_k3,
     count,
-    exp_abs_r,
     prob,
     probs,
     seg_max,
     valid,
     within_bound,
 )
+from mismatch_probe.metrics.parity import batch_mult
 
 SPEC_TAUS = (1.01, 1.1, 1.5, 2.0, 5.0, 10.0)
 TAU_GRID = (1.001, 1.003, 1.01, 1.03, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 100.0)
@@ -90,8 +90,8 @@ class DiagnosticsAccumulator:
         self.n_seq_dp_high += count(seq_dp > SEQ_DP_LIMIT)
         p_train, p_rollout = probs(b, None)
         self.probs.add(valid(b, p_train), valid(b, p_rollout))
-        # exp(min(|r|, 700)) is exp(min(|r|, B)) when no |r| exceeds B: the same array
-        spread = valid(b, exp_abs_r(b, None)) if within_bound(b, None) else spread_of_abs(abs_lr)
+        # exp(min(|r|, 700)) is NeMo-RL's exp(clampB(|r|)) when no |r| exceeds B: the same array
+        spread = valid(b, batch_mult(b, None)) if within_bound(b, None) else spread_of_abs(abs_lr)
         self.n_tau += [count(spread > tau) for tau in TAU_GRID]
         self.n_ipo += [count(dp > eps) for eps in IPO_EPS]
         if self.has_flip and b.flip is not None:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mismatch_probe.metrics.offpolicy import k3_terms
+from mismatch_probe.metrics.batch import k3_terms
 
 Side = Sequence[Mapping[int, float]]  # per sequence: token index -> log-probability
 FLOAT_MAX = 1.7976931348623157e308

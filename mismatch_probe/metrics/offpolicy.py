@@ -17,11 +17,11 @@ import numpy as np
 from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mmean
 from mismatch_probe.metrics.batch import (
     TokenBatch,
+    batch_k3,
     clamp_b,
     clamped_rho,
     per_batch,
     seg_mean,
-    unclamped_k3,
     valid,
 )
 
@@ -29,17 +29,6 @@ PPL_KEYS = ("training_ppl", "rollout_ppl", "ppl_ratio")
 _OFFPOLICY_SUMS = ("sum_neg_r", "sum_k3", "sum_rho2", "sum_ppl_train", "sum_lppl_train",
                    "sum_ppl_rollout", "sum_lppl_rollout", "sum_abs_d", "sum_exp_d",
                    "sum_rho2_seq")  # fmt: skip
-
-
-def k3_terms(r: np.ndarray) -> np.ndarray:
-    """Per-token ``exp(r) - r - 1`` (as ``expm1(r) - r``); ``+inf`` where ``exp(r)`` overflows."""
-    with np.errstate(over="ignore"):
-        return np.expm1(r) - r
-
-
-def batch_k3(b: TokenBatch, _: None = None) -> np.ndarray:
-    """``[N]`` ``k3_terms(r)`` (memoised: the per-turn metrics and ``clamped_k3`` share it)."""
-    return unclamped_k3(b, None)
 
 
 @per_batch

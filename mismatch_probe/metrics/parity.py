@@ -35,14 +35,16 @@ from mismatch_probe.metrics.batch import (
     LOGPROB_FLOOR,
     TokenBatch,
     abs_r,
+    batch_k3,
     clamp_b,
     count,
-    exp_abs_r,
     first_valid_rows,
+    k3_terms,
+    per_batch,
     seg_mean,
     valid,
 )
-from mismatch_probe.metrics.offpolicy import batch_k3, k3_terms, valid_k3_sum
+from mismatch_probe.metrics.offpolicy import valid_k3_sum
 
 DIFFERENT_ABS_LOG_RATIO = 1e-6  # TorchTitan's bitwise-parity threshold on |r|
 NEMO_MULT_PROB_ERROR_LIMIT = 1.05  # NeMo-RL docs, "Adding New Models", expected error threshold
@@ -58,10 +60,11 @@ def first_token_rows(b: TokenBatch) -> np.ndarray:
     return first_valid_rows(b, None)
 
 
+@per_batch
 def batch_mult(b: TokenBatch, _: None = None) -> np.ndarray:
     """``[N]`` ``mult_prob_error(r)`` (memoised: the per-turn metrics and the diagnostics'
-    ratio spread share it; ``clampB(|r|)`` is ``min(|r|, B)``, the same values)."""
-    return exp_abs_r(b, None)
+    ratio spread share it)."""
+    return mult_prob_error(b.r)
 
 
 class ParityAccumulator:

@@ -35,12 +35,13 @@ from mismatch_probe.metrics.accum import capped, mmean
 from mismatch_probe.metrics.batch import (
     TokenBatch,
     abs_r,
+    batch_k3,
     count,
     distinct_values,
     first_rows,
     valid,
 )
-from mismatch_probe.metrics.offpolicy import batch_k3, valid_k3_sum
+from mismatch_probe.metrics.offpolicy import valid_k3_sum
 from mismatch_probe.metrics.parity import batch_mult
 from mismatch_probe.store import SEQUENCES_DIR, SEQUENCES_FILE, TOKENS_DIR, TOKENS_FILE
 from mismatch_probe.store.dataset import part_files

@@ -29,8 +29,7 @@ import pyarrow.parquet as pq
 from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.accum import capped, mmean
-from mismatch_probe.metrics.batch import normalize_logprobs
-from mismatch_probe.metrics.offpolicy import k3_terms
+from mismatch_probe.metrics.batch import k3_terms, normalize_logprobs
 from mismatch_probe.routing.store import RoutingData, read_routing
 
 
