@@ -245,3 +245,29 @@ def test_batches_do_not_change_the_result(tmp_path: Path) -> None:
         write_store(tmp_path / "b.parquet", trains, rollouts, row_group_size=7)
     )
     assert one == many and checks(one)["shifted_by_one"] == (ERROR, 138, 5)
+
+
+@pytest.mark.parametrize(
+    ("seq_id", "message"),
+    [
+        (pa.array([2**63 + 5, 2**63 + 5, 7], pa.uint64()), "column seq_id does not hold int64"),
+        (pa.array([1, None, 2], pa.int64()), "column seq_id holds nulls"),
+    ],
+    ids=["uint64 beyond int64", "null"],
+)
+def test_ids_int64_cannot_hold_are_refused_as_the_metrics_refuse_them(
+    tmp_path: Path, seq_id: pa.Array, message: str
+) -> None:
+    """A seq_id beyond int64 (it wrapped round to a negative id) or a null one (read as an
+    arbitrary integer) is refused with the metric pass's own message, not checked as ids."""
+    from mismatch_probe.errors import ProbeError
+    from mismatch_probe.metrics import compute_metrics
+
+    path = tmp_path / "t.parquet"
+    lp = pa.array([-1.0, -2.0, -0.5], pa.float32())
+    positions = pa.array([0, 1, 0], pa.int32())
+    columns = {"seq_id": seq_id, "position": positions, "rollout_logprob": lp, "train_logprob": lp}
+    pq.write_table(pa.table(columns), path)
+    for compute in (compute_integrity, compute_metrics):
+        with pytest.raises(ProbeError, match=message):
+            compute(path)

@@ -123,7 +123,12 @@ def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
 _FAST_INTS = (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32())
 
 
-def _int_column(table: pa.Table, name: str) -> np.ndarray:
+def int_column(table: pa.Table, name: str) -> np.ndarray:
+    """``[N]`` int64 values of an integer column.
+
+    Raises:
+        ProbeError: the column holds nulls, or a value int64 cannot hold (a uint64 beyond it).
+    """
     col = table.column(name)
     if col.null_count:
         raise ProbeError(f"column {name} holds nulls")
@@ -149,7 +154,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
     Reads ``seq_id``, ``position``, ``train_logprob``, ``rollout_logprob`` and, when present,
     ``support_flip``, ``token_id``, ``prompt_id``, ``sample_id`` and ``train_entropy``.
     """
-    seq = _int_column(table, "seq_id")
+    seq = int_column(table, "seq_id")
     train_raw, train_ok = _column(table, "train_logprob")
     rollout_raw, rollout_ok = _column(table, "rollout_logprob")
     m = train_ok & rollout_ok
@@ -163,8 +168,8 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
     n = lengths.astype(np.float64) if all_valid else np.add.reduceat(m.astype(np.float64), starts)
     names = table.column_names
     flip = _bool_column(table, "support_flip") if "support_flip" in names else None
-    token_id = _int_column(table, "token_id") if "token_id" in names else None
-    ids = {k: _int_column(table, k)[starts] for k in ("prompt_id", "sample_id") if k in names}
+    token_id = int_column(table, "token_id") if "token_id" in names else None
+    ids = {k: int_column(table, k)[starts] for k in ("prompt_id", "sample_id") if k in names}
     return TokenBatch(
         train=train,
         rollout=rollout,
@@ -175,7 +180,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
         n=n,
         s=seq_sums(r, starts),  # r is 0 at padding
         seq_id=seq[starts],
-        position=_int_column(table, "position"),
+        position=int_column(table, "position"),
         flip=flip,
         token_id=token_id,
         memo={},

@@ -64,6 +64,7 @@ from mismatch_probe.metrics.batch import (
     LOGPROB_FLOOR,
     distinct_sorted,
     distinct_values,
+    int_column,
     seq_sums,
     sequence_starts,
 )
@@ -528,7 +529,12 @@ def mask_findings(run: Mapping[str, Any]) -> tuple[list[Finding], list[dict[str,
 
 def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
     """seq_id, position, train and rollout (float64, NaN at null), valid, and the support-flip
-    flags (all False without the column), as numpy."""
+    flags (all False without the column), as numpy.
+
+    Raises:
+        ProbeError: seq_id or position holds a null or a value int64 cannot hold (as the
+            metric pass refuses them: ``batch.int_column``).
+    """
     values = []
     valid = np.ones(table.num_rows, dtype=bool)
     for name in ("train_logprob", "rollout_logprob"):
@@ -536,8 +542,7 @@ def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
         if col.null_count:
             valid &= ~pc.is_null(col).to_numpy(zero_copy_only=False)
         values.append(np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64))
-    seq, pos = (np.asarray(table.column(name).to_numpy(), dtype=np.int64)
-                for name in ("seq_id", "position"))  # fmt: skip
+    seq, pos = (int_column(table, name) for name in ("seq_id", "position"))
     flip = np.zeros(table.num_rows, dtype=bool)
     if "support_flip" in table.column_names:
         flips = pc.fill_null(table.column("support_flip"), False)
