@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mismatch_probe.errors import ProbeError
+from mismatch_probe.metrics import compute_metrics
 from mismatch_probe.metrics.integrity import (
     COPY_MESSAGE,
     ERROR,
@@ -258,11 +260,8 @@ def test_batches_do_not_change_the_result(tmp_path: Path) -> None:
 def test_ids_int64_cannot_hold_are_refused_as_the_metrics_refuse_them(
     tmp_path: Path, seq_id: pa.Array, message: str
 ) -> None:
-    """A seq_id beyond int64 (it wrapped round to a negative id) or a null one (read as an
-    arbitrary integer) is refused with the metric pass's own message, not checked as ids."""
-    from mismatch_probe.errors import ProbeError
-    from mismatch_probe.metrics import compute_metrics
-
+    """A seq_id beyond int64 (a cast would wrap it round to a negative id) or a null one (a
+    cast would make it an arbitrary integer) is refused with the metric pass's own message."""
     path = tmp_path / "t.parquet"
     lp = pa.array([-1.0, -2.0, -0.5], pa.float32())
     positions = pa.array([0, 1, 0], pa.int32())
