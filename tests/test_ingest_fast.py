@@ -270,6 +270,156 @@ def test_prime_rl_takes_the_fast_path_on_an_ordinary_export(tmp_path: Path) -> N
     assert jsonl.read_table(blank, prime_rl._SCHEMA, prime_rl._OPTIONAL) is None
 
 
+def _nemo_line(mask: list, gen: list, prev: list, nested: bool = True, **extra: Any) -> dict:
+    """One line of ``train_data_step<N>.jsonl``: the logger's one-element lists (``nested``)
+    or flat lists; ``extra`` fields as given (``input_lengths=[4]``, ``idx=0``, ...)."""
+    wrap = (lambda v: [v]) if nested else (lambda v: v)
+    arrays = {"token_ids": list(range(1, len(mask) + 1)), "token_loss_mask": mask,
+              "generation_logprobs": gen, "prev_logprobs": prev}  # fmt: skip
+    return {"content": [[{"role": "user", "content": "q"}]],
+            **{k: wrap(v) for k, v in arrays.items()}, **extra}  # fmt: skip
+
+
+def _nemo(mask_value: Any = 1.0, idx: Any = 0, **extra: Any) -> dict:
+    """An ordinary padded line: 6 entries, 4 of them real (``input_lengths``)."""
+    fields = {"input_lengths": [4], "sample_loss_mask": [mask_value], "idx": idx, **extra}
+    return _nemo_line([0, 1, 1, 1, 1, 1], [0.0, -0.5, -0.2, -0.1, 0.0, 0.0],
+                      [0.0, -0.4, -0.25, -0.1, 0.0, 0.0], **fields)  # fmt: skip
+
+
+NEMO_FAST = {  # what the fast reader reads itself: the same store as the reference reader
+    "padded": [_nemo(idx=0), _nemo(idx=1)],
+    "flat lists, scalars, string ids": [
+        _nemo_line(
+            [0, 1, 1],
+            [0.0, -0.3, -0.2],
+            [0.0, -0.3, -0.25],
+            nested=False,
+            input_lengths=3,
+            sample_loss_mask=1,
+            idx="a",
+        ),
+        _nemo_line(
+            [0, 1, 1, 0],
+            [0.0, -0.1, -0.2, 0.0],
+            [0.0, -0.1, -0.2, 0.0],
+            nested=False,
+            input_lengths=3,
+            sample_loss_mask=1,
+            idx="",
+        ),
+    ],
+    "non-finite and null log-probs": [
+        _nemo_line(
+            [0, 1, 1, 1],
+            [0.0, float("nan"), float("-inf"), None],
+            [0.0, float("inf"), -0.2, -0.1],
+            input_lengths=[4],
+            idx=3,
+        ),
+    ],
+    "sample masks: removed, weighted, nested": [
+        _nemo(0.0, idx=0),
+        _nemo(0.5, idx=1),
+        _nemo(1.0, idx=2),
+        _nemo_line([0, 0, 0], [0.0] * 3, [0.0] * 3, input_lengths=[3], sample_loss_mask=[0], idx=3),
+    ],
+    "sample mask one level deeper": [_nemo([1.0], idx=0), _nemo([0], idx=1)],
+    "no sample mask, no idx, no lengths": [
+        _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25]),
+        _nemo_line([0, 1, 0], [0.0, -0.3, 0.0], [0.0, -0.2, 0.0]),
+    ],
+    "all-zero prev_logprobs first, then trained": [
+        _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, 0.0, 0.0], idx=0),
+        _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25], idx=1),
+    ],
+}
+NEMO_REFERENCE = {  # what only the reference reader reads: still the same store
+    "shapes change between lines": [
+        _nemo(idx=0),
+        _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25], nested=False, idx=1),
+    ],
+    "a sample mask only after the first line": [
+        _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25]),
+        _nemo(0.0, idx=1),
+    ],
+    "float token ids": [{**_nemo(), "token_ids": [[1, 2.0, 3, 4, 5, 6]]}],
+    "float idx": [_nemo(idx=1.5)],
+    "a null sample mask": [_nemo(idx=0), _nemo(None, idx=1)],
+    "a blank line": [_nemo(idx=0), "", _nemo(idx=1)],
+}
+
+
+def _nemo_file(root: Path, lines: list) -> Path:
+    root.mkdir(parents=True)
+    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    (root / "train_data_step1.jsonl").write_text(text)
+    return root
+
+
+def _nemo_fast(src: Path) -> bool:
+    from mismatch_probe.ingest import jsonl, nemo_rl
+
+    file = src / "train_data_step1.jsonl"
+    table = jsonl.read_table_shaped(file, nemo_rl._schema, nemo_rl._SHAPED)
+    return table is not None and nemo_rl._batch(table, file, 1) is not None
+
+
+@pytest.mark.parametrize(
+    "case,fast",
+    [(c, True) for c in NEMO_FAST] + [(c, False) for c in NEMO_REFERENCE],
+)
+def test_nemo_rl_lines_give_the_store_of_the_record_reader(
+    case: str, fast: bool, tmp_path: Path
+) -> None:
+    src = _nemo_file(tmp_path / "src", {**NEMO_FAST, **NEMO_REFERENCE}[case])
+    assert _nemo_fast(src) is fast
+    new, old, new_counts, old_counts = _stores("nemo-rl", src, tmp_path)
+    assert asdict(new_counts) == asdict(old_counts) and new_counts.sequences > 0
+    _assert_same_stores(new, old)
+
+
+def test_nemo_rl_takes_the_fast_path_on_the_loggers_files(tmp_path: Path) -> None:
+    src = write_nemo_rl(tmp_path / "src", synthetic_steps([1], seqs=4))
+    assert _nemo_fast(src)
+
+
+NEMO_BAD = {
+    "all-zero prev_logprobs": ([_nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0] * 3)],
+                               "prev_logprobs are all zero"),
+    "sample mask above 1": ([_nemo(2.0)], "sample_loss_mask 2.0 is not within 0..1"),
+    "input length 0": ([_nemo(input_lengths=[0])], "input_lengths 0 is not a length"),
+    "unequal lengths": ([{**_nemo(), "prev_logprobs": [[0.0, -0.1]]}], "unequal length"),
+    "empty mask": ([_nemo_line([0, 0, 0], [0.0] * 3, [0.0] * 3, sample_loss_mask=[1])],
+                   "the loss mask selects no token"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(NEMO_BAD))
+def test_nemo_rl_bad_lines_give_the_same_error(case: str, tmp_path: Path) -> None:
+    lines, message = NEMO_BAD[case]
+    good = _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25], sample_loss_mask=[1])
+    src = _nemo_file(
+        tmp_path / "src", [good, *lines] if case != "all-zero prev_logprobs" else lines
+    )
+    cfg = IngestConfig("nemo-rl", src, src)
+    new = _error(RunStoreWriter, tmp_path / "new", get_format("nemo-rl").read_batches(cfg))
+    old = _error(OldWriter, tmp_path / "old", get_format("nemo-rl").read(cfg))
+    assert new == old and message in new
+
+
+@pytest.mark.parametrize("fmt", ["prime-rl", "nemo-rl"])
+def test_an_empty_file_gives_the_store_of_the_record_reader(fmt: str, tmp_path: Path) -> None:
+    """A file of no line (a rank with no sequence, a step logged empty): nothing read from it,
+    as the reference reader reads nothing (the fast path used to fail on it)."""
+    src = WRITERS[fmt](tmp_path / "src", synthetic_steps([1, 2], seqs=3, seed=5))
+    empty = {"prime-rl": "token_exports/step_2/rank_1.jsonl", "nemo-rl": "train_data_step2.jsonl"}
+    (src / empty[fmt]).write_text("")
+    new, old, new_counts, old_counts = _stores(fmt, src, tmp_path)
+    assert asdict(new_counts) == asdict(old_counts) and new_counts.tokens > 0
+    _assert_same_stores(new, old)
+
+
 def test_one_pass_gives_each_steps_metrics_and_the_integrity_bit_for_bit(tmp_path: Path) -> None:
     """``ingest.run.measure``: the run's metrics, each step's (steps spanning several row
     groups, batches carrying a sequence across a step's end) and the integrity findings, equal
@@ -288,3 +438,31 @@ def test_one_pass_gives_each_steps_metrics_and_the_integrity_bit_for_bit(tmp_pat
     for step, flat in steps.items():
         assert repr(flat) == repr(compute_metrics(tokens, step=step).flat()), step
     assert integrity == compute_integrity(tokens, run)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_slime_tensors_give_the_records_of_their_lists(dtype: str) -> None:
+    """slime's samples hold tensors; the reader takes their values as numpy arrays (no Python
+    object per token) and must give what it gave from their ``tolist``, bit for bit."""
+    import torch
+
+    from mismatch_probe.ingest.slime import sample_record
+
+    rng = np.random.default_rng(11)
+    n, prompt = 40, 7
+    kind = getattr(torch, dtype)
+    sample = {
+        "tokens": torch.tensor(rng.integers(0, 50_000, prompt + n), dtype=torch.int32),
+        "response_lengths": n,
+        "loss_masks": torch.tensor(rng.random(n) < 0.8),
+        "log_probs": torch.tensor(np.log(rng.uniform(0.01, 1, n))).to(kind),
+        "rollout_log_probs": torch.tensor(np.log(rng.uniform(0.01, 1, n))).to(kind),
+        "sample_index": 3,
+    }
+    sample["log_probs"][2] = float("-inf")
+    lists = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in sample.items()}
+    new, old = (sample_record(s, 1, "here", train_key="log_probs") for s in (sample, lists))
+    for field in ("token_ids", "positions", "rollout", "train"):
+        a, b = getattr(new, field), getattr(old, field)
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), field
+    assert (new.prompt_key, new.source) == (old.prompt_key, old.source)

@@ -11,10 +11,11 @@ Public API::
 Reading, per format (what ``probe watch`` builds on): ``FORMATS[name].read_batches(cfg)``
 yields ``SeqBatch`` es (``batches``: the responses of one step as flat arrays, ``[S]`` per
 response, ``[T]`` per trained token), steps ascending, ``cfg.steps`` choosing the steps; every
-format has it (a vectorised reader where the bytes allow: prime-rl's JSONL through
-``jsonl``/pyarrow, one rank file per batch, files parsed on every core; the others' records
-gathered into batches by ``batches.from_records``). One file of one step:
-``prime_rl.read_file(file, step) -> SeqBatch``; ``FORMATS[name].read(cfg)`` is the same
+format has it (a vectorised reader where the bytes allow: prime-rl's and NeMo-RL's JSONL
+through ``jsonl``/pyarrow, one file per batch, files parsed on every core; verl's and SkyRL's
+dumps and probe's own Parquet by columns; the others' records gathered into batches by
+``batches.from_records``). One file of one step: ``prime_rl.read_file(file, step)`` and
+``nemo_rl.read_file(file, step) -> list[SeqBatch]``; ``FORMATS[name].read(cfg)`` is the same
 responses one ``SeqRecord`` at a time (the reference readers, which the fast ones fall back on
 for anything they do not read themselves, so errors read the same). ``RunStoreWriter.add_batch``
 writes batches into a run's store.

@@ -71,6 +71,7 @@ FORMATS: dict[str, Format] = {
         "generation_logprobs",
         "prev_logprobs",
         "NVIDIA-NeMo/RL nemo_rl/algorithms/grpo.py, nemo_rl/utils/logger.py",
+        lambda c: nemo_rl.read_batches(c.path, c.steps),
     ),
     "slime": Format(
         lambda c: slime.read(c.path, c.steps, c.trust_pickle),

@@ -14,9 +14,10 @@ ahead (memory: a few files, whatever the number of steps).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -34,23 +35,63 @@ def read_table(
     """``file`` parsed against ``schema`` (plus each ``optional`` field that occurs in the file,
     with the first of its types that parses), one row per line; None: see the module docstring.
     """
-    try:
-        data = file.read_bytes()
-    except OSError:
-        return None
-    if b"\r" in data or not _utf8(data):
+    data = _text(file)
+    if data is None:
         return None
     optional = optional or {}
-    found = [name for name in optional if f'"{name}"'.encode() in data]
+    found = [name for name in optional if _mentions(data, name)]
     choices: list[list[tuple[str, pa.DataType]]] = [[]]
     for name in found:
         choices = [[*c, (name, t)] for c in choices for t in optional[name]]
     for extra in choices:
         table = _parse(data, pa.schema([*schema, *extra]))
         if table is not None:
-            lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-            return table if table.num_rows == lines else None
+            return _one_row_per_line(table, data)
     return None
+
+
+def read_table_shaped(
+    file: Path, shape: Callable[[dict[str, Any]], pa.Schema | None], fields: Iterable[str]
+) -> pa.Table | None:
+    """``file`` parsed against the schema its first line implies, ``shape(first object)``: one
+    parse, for formats whose fields come in several shapes (a list or a one-element list of it,
+    a number or a string) that stay the same from line to line. None: see the module
+    docstring, and where ``shape`` answers None, or one of ``fields`` (those ``shape`` may
+    name) occurs in the file but not in its first line (pyarrow would skip it unread)."""
+    data = _text(file)
+    if data is None:
+        return None
+    try:
+        first = json.loads(data[: data.find(b"\n")] if b"\n" in data else data)
+    except ValueError:
+        return None
+    if not isinstance(first, dict):
+        return None
+    if any(name not in first and _mentions(data, name) for name in fields):
+        return None
+    schema = shape(first)
+    table = _parse(data, schema) if schema is not None else None
+    return _one_row_per_line(table, data) if table is not None else None
+
+
+def _text(file: Path) -> bytes | None:
+    """The file's bytes, or None where line numbers or the text would differ from the
+    reference reader's (carriage returns, not UTF-8) or it cannot be read."""
+    try:
+        data = file.read_bytes()
+    except OSError:
+        return None
+    return None if b"\r" in data or not _utf8(data) else data
+
+
+def _mentions(data: bytes, name: str) -> bool:
+    return f'"{name}"'.encode() in data
+
+
+def _one_row_per_line(table: pa.Table, data: bytes) -> pa.Table | None:
+    """``table`` if it has a row for every line (none blank), else None."""
+    lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+    return table if table.num_rows == lines else None
 
 
 def _utf8(data: bytes) -> bool:
@@ -91,18 +132,20 @@ def flat_list(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def masked(
-    mask: np.ndarray, offsets: np.ndarray
+    mask: np.ndarray, offsets: np.ndarray, empty_ok: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The tokens a flat ``[V]`` bool mask keeps, per row of ``offsets``: ``(keep [K] indices,
     counts [rows], positions [K])``, each position counted from the row's first kept token.
-    None when a row keeps no token."""
+    None when a row keeps no token, unless ``empty_ok`` (``[rows]`` bool) allows it there."""
     rows = len(offsets) - 1
     keep = np.flatnonzero(mask)
     row = np.searchsorted(offsets, keep, side="right") - 1
     counts = np.bincount(row, minlength=rows).astype(np.int64)
-    if rows and not counts.all():
+    empty = counts == 0
+    if empty.any() and (empty_ok is None or not empty_ok[empty].all()):
         return None
-    first = keep[np.concatenate([[0], np.cumsum(counts)[:-1]])] if rows else keep[:0]
+    starts = np.cumsum(counts) - counts  # each row's first entry in keep (rows of none: unused)
+    first = keep[np.minimum(starts, len(keep) - 1)] if len(keep) else np.zeros(rows, np.int64)
     return keep, counts, keep - np.repeat(first, counts)
 
 

@@ -37,8 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.ingest import jsonl
+from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.records import (
     MaskRule,
     SeqRecord,
@@ -82,27 +85,190 @@ def _unwrap(value: Any) -> Any:
 
 
 def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
-    """Every sample of the chosen steps. Records are held back only while every one so far has
-    all-zero ``prev_logprobs`` (normally just the first), so memory stays one line."""
+    """Every sample of the chosen steps, one record per line (the reference reader, and where
+    the fast one finds something to say)."""
     for step, file in step_files(path, steps):
-        held: list[SeqRecord] = []
-        trained = False
-        for n, obj in iter_json_lines(file):
-            record = _record(obj, step, f"{file}:{n}")
-            if trained:
-                yield record
-                continue
-            held.append(record)
-            if len(record.token_ids) and not _zero(record.train):
-                trained = True
-                yield from held
-                held.clear()
-        if any(len(r.token_ids) for r in held):
-            raise ProbeError(
-                f"{file}: prev_logprobs are all zero (the trainer skipped its forward, "
-                "force_on_policy_ratio): no training-side log-prob; exclude it with --steps"
-            )
-        yield from held  # only samples the sample mask removed: nothing to refuse
+        yield from read_file_records(file, step)
+
+
+def read_file_records(file: Path, step: int) -> Iterator[SeqRecord]:
+    """One step file's samples. Records are held back only while every one so far has
+    all-zero ``prev_logprobs`` (normally just the first), so memory stays one line."""
+    held: list[SeqRecord] = []
+    trained = False
+    for n, obj in iter_json_lines(file):
+        record = _record(obj, step, f"{file}:{n}")
+        if trained:
+            yield record
+            continue
+        held.append(record)
+        if len(record.token_ids) and not _zero(record.train):
+            trained = True
+            yield from held
+            held.clear()
+    if any(len(r.token_ids) for r in held):
+        raise ProbeError(
+            f"{file}: prev_logprobs are all zero (the trainer skipped its forward, "
+            "force_on_policy_ratio): no training-side log-prob; exclude it with --steps"
+        )
+    yield from held  # only samples the sample mask removed: nothing to refuse
+
+
+def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
+    """``read`` as one ``SeqBatch`` per step file (``read_file``), the next files parsed on
+    other cores while a batch is written."""
+    for batches in jsonl.prefetched(step_files(path, steps), read_file):
+        yield from batches
+
+
+def read_file(file: Path, step: int) -> list[SeqBatch]:
+    """One step file -> its samples as batches (the records ``read`` yields for it, the same
+    values): one batch parsed by pyarrow's JSON reader, in the shapes the file's first line
+    has; a file it cannot read as expected (an error to report, an unusual shape or type)
+    goes through the reference reader instead."""
+    table = jsonl.read_table_shaped(file, _schema, _SHAPED)
+    batch = _batch(table, file, step) if table is not None else None
+    return [batch] if batch is not None else list(from_records(read_file_records(file, step)))
+
+
+_ARRAYS = {"token_ids": pa.int64(), "token_loss_mask": pa.float64(),
+           "generation_logprobs": pa.float64(), "prev_logprobs": pa.float64()}  # fmt: skip
+_SHAPED = ("input_lengths", SAMPLE_MASK, "idx")  # optional, each a number or one-element lists
+
+
+def _schema(first: dict[str, Any]) -> pa.Schema | None:
+    """The fast reader's schema for a file whose first line is ``first``: each array as it
+    comes there (a list, or the logger's one-element list of it), the optional fields in the
+    shapes ``_record`` reads; None for any other shape (the reference reader decides)."""
+    fields = []
+    for name, kind in _ARRAYS.items():
+        value = first.get(name)
+        if not isinstance(value, list):
+            return None
+        nested = len(value) == 1 and isinstance(value[0], list)
+        fields.append((name, pa.list_(pa.list_(kind)) if nested else pa.list_(kind)))
+    for name, kind, depth in (("input_lengths", pa.int64(), 1), (SAMPLE_MASK, pa.float64(), 2)):
+        if name in first:
+            shape = _scalar_shape(first[name], depth, kind)
+            if shape is None:
+                return None
+            fields.append((name, shape))
+    if "idx" in first:
+        idx = first["idx"]
+        if isinstance(idx, bool) or not isinstance(idx, (int, str)):
+            return None
+        fields.append(("idx", pa.int64() if isinstance(idx, int) else pa.string()))
+    return pa.schema(fields)
+
+
+def _scalar_shape(value: Any, depth: int, kind: pa.DataType) -> pa.DataType | None:
+    """The type of a number, or of it in up to ``depth`` one-element lists; None otherwise."""
+    shape = kind
+    while isinstance(value, list) and len(value) == 1 and depth > 0:
+        value, shape, depth = value[0], pa.list_(shape), depth - 1
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return shape if number and (kind == pa.float64() or isinstance(value, int)) else None
+
+
+def _unwrapped(column: pa.ChunkedArray) -> pa.ChunkedArray | None:
+    """Each row's one-element list of a list -> the list (``_unwrap``); a list column as it is.
+    None where a row is null or its outer list has another length."""
+    if not pa.types.is_list(column.type.value_type):
+        return column
+    array = column.combine_chunks()
+    if array.null_count or not np.all(np.diff(array.offsets.to_numpy()) == 1):
+        return None
+    return pa.chunked_array([array.flatten()])
+
+
+def _per_row(table: pa.Table, name: str) -> np.ndarray | None:
+    """``[rows]`` the number each row holds (inside its one-element lists); None where a row
+    holds none (null, a list of another length)."""
+    array = table.column(name).combine_chunks()
+    while pa.types.is_list(array.type):
+        if array.null_count or not np.all(np.diff(array.offsets.to_numpy()) == 1):
+            return None
+        array = array.flatten()
+    return None if array.null_count else array.to_numpy(zero_copy_only=False)
+
+
+def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
+    """``_record`` on every row at once, and the all-zero ``prev_logprobs`` refusal of
+    ``read_file_records``; None wherever either would raise (the reference reader then names
+    the line) or a value comes in a form only it reads."""
+    cols = {}
+    for name in _ARRAYS:
+        column = _unwrapped(table.column(name))
+        cols[name] = jsonl.flat_list(column) if column is not None else None
+    if any(c is None for c in cols.values()):
+        return None
+    offsets = cols["token_ids"][1]  # type: ignore[index]
+    if any(not np.array_equal(c[1], offsets) for c in cols.values()):  # type: ignore[index]
+        return None
+    tokens, mask_values, rollout, train = (c[0] for c in cols.values())  # type: ignore[index]
+    if tokens.dtype.kind != "i" or np.any((tokens > 2**53) | (tokens < -(2**53))):
+        return None  # int_array reads ids through float64: exact only up to 2^53
+    if not np.isin(mask_values, (0.0, 1.0)).all():
+        return None
+    n = np.diff(offsets)
+    lengths = _per_row(table, "input_lengths") if "input_lengths" in table.column_names else n
+    if lengths is None or not np.all((lengths > 0) & (lengths <= n)):
+        return None
+    index = np.arange(len(tokens)) - np.repeat(offsets[:-1], n)  # each entry's index in its row
+    mask = (mask_values == 1.0) & (index < np.repeat(lengths, n)) & (index > 0)
+    running = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    trained = running[offsets[1:]] - running[offsets[:-1]]  # [rows] trained tokens of each
+    sampled = _sample_rules(table, trained)
+    if sampled is None:
+        return None
+    rules, removed = sampled
+    mask &= ~np.repeat(removed, n)
+    kept = jsonl.masked(mask, offsets, empty_ok=removed)
+    if kept is None:
+        return None
+    keep, counts, positions = kept
+    if len(keep) and not np.any(train[keep] != 0.0):
+        return None  # the trainer skipped its forward: the reference reader refuses the file
+    return SeqBatch(
+        step=step,
+        sources=[f"{file}:{i}" for i in range(1, len(n) + 1)],
+        prompt_keys=_keys(table, len(n)),
+        lengths=counts,
+        token_ids=tokens[keep].astype(np.int64),
+        positions=positions,
+        rollout=np.asarray(rollout, np.float64)[keep],
+        train=np.asarray(train, np.float64)[keep],
+        mask_rules=rules,
+    )
+
+
+def _sample_rules(
+    table: pa.Table, trained: np.ndarray
+) -> tuple[list[tuple[MaskRule, ...]], np.ndarray] | None:
+    """``_sample_mask`` of every row (``trained``: ``[rows]`` its trained tokens): the rules
+    and ``[rows]`` whether the mask removes the row; None where ``_sample_mask`` would raise."""
+    rows = len(trained)
+    if SAMPLE_MASK not in table.column_names:
+        return [(MaskRule(SAMPLE_MASK, False, _MISSING, int(t)),) for t in trained], np.zeros(
+            rows, bool
+        )
+    weights = _per_row(table, SAMPLE_MASK)
+    if weights is None or not np.all((weights >= 0.0) & (weights <= 1.0)):  # NaN fails too
+        return None
+    rules: list[tuple[MaskRule, ...]] = [
+        (MaskRule(SAMPLE_MASK, True, _APPLIED, int(t) if w == 0.0 else 0),)
+        if w in (0.0, 1.0)
+        else (MaskRule(SAMPLE_MASK, False, _WEIGHTED, int(t)),)
+        for w, t in zip(weights.tolist(), trained.tolist(), strict=True)
+    ]
+    return rules, weights == 0.0
+
+
+def _keys(table: pa.Table, rows: int) -> list[str | None]:
+    """Each row's ``idx`` as ``_record`` names it (None where absent)."""
+    if "idx" not in table.column_names:
+        return [None] * rows
+    return [None if v is None else f"idx {v}" for v in table.column("idx").to_pylist()]
 
 
 def _zero(train: np.ndarray | None) -> bool:

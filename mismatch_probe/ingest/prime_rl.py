@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import jsonl
-from mismatch_probe.ingest.batches import SeqBatch, batch_of
+from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -131,16 +131,18 @@ def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
     """``read`` as one ``SeqBatch`` per rank file (``read_file``), the next files parsed on
     other cores while a batch is written."""
     files = [(step, f) for step, d in step_dirs(path, steps) for f in rank_files(d)]
-    yield from jsonl.prefetched(files, read_file)
+    for batches in jsonl.prefetched(files, read_file):
+        yield from batches
 
 
-def read_file(file: Path, step: int) -> SeqBatch:
-    """One rank file of one step -> a ``SeqBatch`` (the records ``read`` yields for it, the
-    same values), parsed by pyarrow's JSON reader; a file it cannot read as expected (an
-    error to report, an unusual type) goes through the reference reader instead."""
+def read_file(file: Path, step: int) -> list[SeqBatch]:
+    """One rank file of one step -> its sequences as batches (the records ``read`` yields for
+    it, the same values): one batch parsed by pyarrow's JSON reader; a file it cannot read as
+    expected (an error to report, an unusual type, no line at all) goes through the reference
+    reader instead."""
     fast = jsonl.read_table(file, _SCHEMA, optional=_OPTIONAL)
-    batch = _batch(fast, file, step) if fast is not None else None
-    return batch if batch is not None else batch_of(list(read_file_records(file, step)))
+    batch = _batch(fast, file, step) if fast is not None and fast.num_rows else None
+    return [batch] if batch is not None else list(from_records(read_file_records(file, step)))
 
 
 def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:

@@ -97,6 +97,17 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
 
 
 def _values(value: Any) -> Any:
+    """A tensor's or array's values for ``int_array``/``float_array``: a real tensor as a numpy
+    array (no Python object per token; bfloat16 widened to float32, exactly, as ``tolist``
+    widens it to Python floats), so the same float64 values as its ``tolist``; anything else
+    (a list, a complex tensor) as ``tolist`` gives it."""
+    if hasattr(value, "detach") and hasattr(value, "is_complex") and not value.is_complex():
+        tensor = value.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":
+            tensor = tensor.float()
+        return tensor.numpy()
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return value
     return value.tolist() if hasattr(value, "tolist") else value
 
 

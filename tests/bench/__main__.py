@@ -96,6 +96,12 @@ def _ingest_duckdb() -> dict[str, Any]:
     return bench_ingest_duckdb()
 
 
+def _ingest_nemo_duckdb() -> dict[str, Any]:
+    from tests.bench.duckdb_compare import bench_ingest_nemo_duckdb
+
+    return bench_ingest_nemo_duckdb()
+
+
 def _metrics_duckdb() -> dict[str, Any]:
     from tests.bench.duckdb_compare import bench_metrics_duckdb
 
@@ -141,6 +147,7 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "metrics": _metrics,
     "ingest": _ingest,
     "ingest_duckdb": _ingest_duckdb,
+    "ingest_nemo_duckdb": _ingest_nemo_duckdb,
     "metrics_duckdb": _metrics_duckdb,
     "parquet_floats": _parquet_floats,
     "attribution": _attribution,

@@ -6,6 +6,12 @@
   reports' fixed cost reported apart) against DuckDB reading the same files and computing k3
   per step. The goal: within 3x. Also the integrity checks alone on the written store (do they
   dominate?), and the largest relative difference of the per-step k3.
+* ``ingest_nemo_duckdb``: ``probe ingest nemo-rl`` of NeMo-RL GRPO logs (``NEMO_STEPS`` steps
+  of ``train_data_step<N>.jsonl``, the logger's one-element lists, padded lines,
+  ``write_nemo_logs``) end to end as above, against DuckDB reading the same files and computing
+  NeMo's ``gen_kl_error`` (k3 over the token mask, within ``input_lengths``, samples of
+  ``sample_loss_mask`` 1) per step; and the store written by the reference (record by record)
+  reader, what the fast reader is measured against (``speedup_store_fast_over_reference``).
 * ``metrics_duckdb``: ``compute_metrics`` (every metric) of the 10 M-token bench store
   (``metrics.write_synthetic_store``) on every core and on one, against DuckDB's kl, k3_kl,
   chi2_token, chi2_seq and TIS mean. The goal: within 2x. The probe runs must agree bit
@@ -48,6 +54,23 @@ SELECT step, avg(exp(lt - lr) - 1 - (lt - lr)) AS k3 FROM t
 WHERE m AND i > 1 AND lr IS NOT NULL AND lt IS NOT NULL GROUP BY step ORDER BY step
 """
 
+NEMO_STEPS = 10
+NEMO_TOKENS_PER_STEP = 200_000
+NEMO_PROMPT, NEMO_RESPONSE, NEMO_PAD = 100, 500, 40  # tokens per line; padding to the batch's
+NEMO_QUERY = """
+WITH t AS (
+  SELECT regexp_extract(filename, 'step([0-9]+)\\.jsonl', 1)::INTEGER AS step,
+         input_lengths[1] AS len, sample_loss_mask[1] AS sample,
+         unnest(token_loss_mask[1]) AS m, unnest(generation_logprobs[1]) AS lg,
+         unnest(prev_logprobs[1]) AS lp, generate_subscripts(token_loss_mask[1], 1) AS i
+  FROM read_json('{glob}', format = 'newline_delimited', filename = true,
+                 columns = {{'input_lengths': 'BIGINT[]', 'sample_loss_mask': 'DOUBLE[]',
+                            'token_loss_mask': 'DOUBLE[][]', 'generation_logprobs': 'DOUBLE[][]',
+                            'prev_logprobs': 'DOUBLE[][]'}}))
+SELECT step, avg(exp(lp - lg) - 1 - (lp - lg)) AS k3 FROM t
+WHERE m = 1 AND i > 1 AND i <= len AND sample = 1 GROUP BY step ORDER BY step
+"""
+
 FIVE_QUERY = """
 WITH t AS (
   SELECT seq_id, train_logprob::DOUBLE - rollout_logprob::DOUBLE AS r
@@ -68,12 +91,12 @@ def _peak_mb() -> float:
     return _peak_rss_kb() / 1024
 
 
-def _probe_ingest(src: str, out: str) -> dict[str, Any]:
+def _probe_ingest(src: str, out: str, fmt: str = "prime-rl") -> dict[str, Any]:
     from mismatch_probe.ingest import IngestConfig, run_ingest
     from mismatch_probe.metrics.integrity import compute_integrity
 
     start = time.perf_counter()
-    result = run_ingest(IngestConfig("prime-rl", Path(src), Path(out)))
+    result = run_ingest(IngestConfig(fmt, Path(src), Path(out)))
     wall = time.perf_counter() - start
     t = result.timings
     start = time.perf_counter()
@@ -89,6 +112,83 @@ def _probe_ingest(src: str, out: str) -> dict[str, Any]:
         "peak_rss_mb": _peak_mb(),
         "k3": {str(s): m["k3_kl"] for s, m in result.steps.items()},
     }
+
+
+def _reference_store(src: str, out: str) -> dict[str, Any]:
+    """The store of a NeMo-RL log written from the reference reader's records (the record
+    readers as ``from_records`` gathers them), what the fast reader replaces."""
+    from mismatch_probe.ingest import nemo_rl
+    from mismatch_probe.ingest.batches import from_records
+    from mismatch_probe.ingest.records import parse_steps
+    from mismatch_probe.ingest.writer import RunStoreWriter
+
+    Path(out).mkdir()
+    start = time.perf_counter()
+    writer = RunStoreWriter(Path(out), {"kind": "ingest", "tool": "mismatch_probe"})
+    try:
+        for batch in from_records(nemo_rl.read(Path(src), parse_steps(None))):
+            writer.add_batch(batch)
+    finally:
+        counts = writer.close()
+    return {"wall_s": time.perf_counter() - start, "tokens": counts.tokens}
+
+
+def _fast_store(src: str, out: str) -> dict[str, Any]:
+    """The same store from the fast reader's batches (``nemo_rl.read_batches``)."""
+    from mismatch_probe.ingest import nemo_rl
+    from mismatch_probe.ingest.records import parse_steps
+    from mismatch_probe.ingest.writer import RunStoreWriter
+
+    Path(out).mkdir()
+    start = time.perf_counter()
+    writer = RunStoreWriter(Path(out), {"kind": "ingest", "tool": "mismatch_probe"})
+    try:
+        for batch in nemo_rl.read_batches(Path(src), parse_steps(None)):
+            writer.add_batch(batch)
+    finally:
+        counts = writer.close()
+    return {"wall_s": time.perf_counter() - start, "tokens": counts.tokens}
+
+
+def write_nemo_logs(root: Path, steps: int, tokens_per_step: int, seed: int = 0) -> int:
+    """``root/train_data_step<N>.jsonl`` as NeMo-RL's logger writes them: a line per sample,
+    each field a one-element list, arrays padded to the batch's length, prompts untrained;
+    every 20th sample of ``sample_loss_mask`` 0. Returns the trained tokens kept."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True)
+    kept = 0
+    n = NEMO_PROMPT + NEMO_RESPONSE
+    width = n + NEMO_PAD
+    for step in range(1, steps + 1):
+        with (root / f"train_data_step{step}.jsonl").open("w") as fh:
+            for i in range(tokens_per_step // (NEMO_RESPONSE - 1)):
+                gen = np.zeros(width)
+                gen[NEMO_PROMPT:n] = np.log(rng.uniform(0.01, 1.0, NEMO_RESPONSE)).round(6)
+                prev = gen.copy()
+                prev[NEMO_PROMPT:n] += rng.normal(0, 0.01 * step / steps, NEMO_RESPONSE).round(6)
+                mask = [0] * NEMO_PROMPT + [1] * NEMO_RESPONSE + [1] * NEMO_PAD
+                sample = 0.0 if i % 20 == 19 else 1.0
+                line = {
+                    "content": [[{"role": "user", "content": f"question {i}"}]],
+                    "rewards": [1.0], "input_lengths": [n],
+                    "token_ids": [rng.integers(0, 50_000, width).tolist()],
+                    "token_loss_mask": [mask], "sample_loss_mask": [sample],
+                    "advantages": [[0.5] * width], "generation_logprobs": [gen.tolist()],
+                    "prev_logprobs": [prev.tolist()], "idx": i,
+                }  # fmt: skip
+                fh.write(json.dumps(line) + "\n")
+                kept += NEMO_RESPONSE if sample else 0
+    return kept
+
+
+def _duckdb_nemo_k3(src: str) -> dict[str, Any]:
+    con = _duckdb()
+    start = time.perf_counter()
+    rows = con.sql(NEMO_QUERY.format(glob=f"{src}/train_data_step*.jsonl")).fetchall()
+    return {"wall_s": time.perf_counter() - start, "peak_rss_mb": _peak_mb(),
+            "k3": {str(s): k for s, k in rows}}  # fmt: skip
 
 
 def _duckdb_k3(src: str) -> dict[str, Any]:
@@ -196,6 +296,33 @@ def bench_ingest_duckdb() -> dict[str, Any]:
     out["ratio_probe_over_duckdb"] = probe["wall_s"] / duck["wall_s"]
     out["within_3x"] = out["ratio_probe_over_duckdb"] <= 3.0
     out["k3_max_rel_diff"] = _rel(probe["k3"], duck["k3"])
+    out["load_after"] = _load()
+    return out
+
+
+def bench_ingest_nemo_duckdb() -> dict[str, Any]:
+    out: dict[str, Any] = {"load_before": _load(), "cores": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "logs"
+        out["trained_tokens"] = write_nemo_logs(src, NEMO_STEPS, NEMO_TOKENS_PER_STEP)
+        out["jsonl_mb"] = sum(p.stat().st_size for p in src.glob("*.jsonl")) / 2**20
+        out["steps"] = NEMO_STEPS
+        tries = []
+        for k in range(REPEATS):
+            run = str(Path(tmp) / f"run{k}")
+            tries.append(("probe", _child(_probe_ingest, str(src), run, "nemo-rl")))
+            tries.append(("duckdb", _child(_duckdb_nemo_k3, str(src))))
+            tries.append(("fast", _child(_fast_store, str(src), str(Path(tmp) / f"fast{k}"))))
+            tries.append(("ref", _child(_reference_store, str(src), str(Path(tmp) / f"ref{k}"))))
+    probe, duck, fast, ref = (_best(tries, n) for n in ("probe", "duckdb", "fast", "ref"))
+    out["probe_ingest"] = {k: v for k, v in probe.items() if k != "k3"}
+    out["duckdb_read_and_k3"] = {k: v for k, v in duck.items() if k != "k3"}
+    out["ratio_probe_over_duckdb"] = probe["wall_s"] / duck["wall_s"]
+    out["within_3x"] = out["ratio_probe_over_duckdb"] <= 3.0
+    out["k3_max_rel_diff"] = _rel(probe["k3"], duck["k3"])
+    out["store_fast_s"], out["store_reference_s"] = fast["wall_s"], ref["wall_s"]
+    out["speedup_store_fast_over_reference"] = ref["wall_s"] / fast["wall_s"]
+    out["same_tokens_fast_and_reference"] = fast["tokens"] == ref["tokens"]
     out["load_after"] = _load()
     return out
 
