@@ -466,3 +466,37 @@ def test_slime_tensors_give_the_records_of_their_lists(dtype: str) -> None:
         a, b = getattr(new, field), getattr(old, field)
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), field
     assert (new.prompt_key, new.source) == (old.prompt_key, old.source)
+
+
+def test_miles_columns_give_the_records_of_their_python_rows(tmp_path: Path) -> None:
+    """Miles' Parquet rows are read with each list as a numpy array; the records must be what
+    ``to_pylist``'s rows gave, bit for bit: a null loss mask (every token trained), a null
+    log-prob (NaN), int8 masks, float32 log-probs."""
+    import pyarrow as pa
+
+    from mismatch_probe.ingest import miles
+    from mismatch_probe.ingest.records import parse_steps
+
+    src = write_miles(tmp_path / "src", synthetic_steps([1, 3], seqs=9, seed=2))
+    file = src / "dashboard_columns" / "rollout_3.parquet"
+    table = pq.read_table(file)
+    masks = table.column("loss_mask").to_pylist()
+    masks[4] = None
+    logprobs = table.column("rollout_log_probs").to_pylist()
+    logprobs[6][1] = None
+    table = table.set_column(4, "loss_mask", pa.array(masks, table.schema.field(4).type))
+    table = table.set_column(5, "rollout_log_probs",
+                             pa.array(logprobs, table.schema.field(5).type))  # fmt: skip
+    pq.write_table(table, file, row_group_size=8)
+    new = list(miles.read(src, parse_steps(None)))
+    old = []
+    for step, path in miles.column_files(src, parse_steps(None)):
+        for row, sample in enumerate(pq.read_table(path, columns=list(miles.COLUMNS)).to_pylist()):
+            old.append(miles._record(sample, step, f"{path} row {row}"))
+    assert len(new) == len(old) == 18
+    for a, b in zip(new, old, strict=True):
+        for field in ("token_ids", "positions", "rollout", "prompt_ids", "response_ids"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), (b.source, field)
+        assert (a.step, a.source, a.prompt_key) == (b.step, b.source, b.prompt_key)
+    assert np.isnan(new[9 + 6].rollout).any()

@@ -10,6 +10,9 @@ commit 31f1ca9 (2026-08):
   ``rollout_log_probs`` (List[Float32], one per response token); row groups of 8 rows;
 * evaluation rollouts are ``rollout_eval_<id>.parquet``: not training steps, skipped.
 
+Read ``ROWS_PER_READ`` rows at a time, each list column as numpy arrays (``rows``), one record
+per sample.
+
 The file holds rollout log-probs only: the training side comes from rescoring the same tokens
 with ``--model`` (``mismatch_probe.training.rescore``), so what is measured is the engine
 against our transformers forward, not against Miles' own trainer.
@@ -21,6 +24,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.records import SeqRecord, StepRange, numbered_files
@@ -50,16 +55,39 @@ def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
                 raise ProbeError(f"{file} lacks the column(s) {', '.join(missing)}")
             row = 0
             for batch in pf.iter_batches(ROWS_PER_READ, columns=list(COLUMNS)):
-                for sample in batch.to_pylist():
+                for sample in rows(batch):
                     yield _record(sample, step, f"{file} row {row}")
                     row += 1
         except (pa.ArrowException, OSError) as exc:
             raise ProbeError(f"{file} is not a readable Parquet file ({exc})") from None
 
 
+def rows(batch: Any) -> Iterator[dict[str, Any]]:
+    """A record batch's rows as ``to_pylist`` gives them, except that a list of numbers is a
+    numpy array of its values (a null list None, a null inside it NaN, as ``float_array`` and
+    ``int_array`` read ``None``): no Python object per token."""
+    columns = {name: _column_values(batch.column(name)) for name in batch.schema.names}
+    for i in range(batch.num_rows):
+        yield {name: values[i] for name, values in columns.items()}
+
+
+def _column_values(column: Any) -> list[Any]:
+    import pyarrow as pa
+
+    listed = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+    item = column.type.value_type if listed else None
+    if item is None or not (pa.types.is_integer(item) or pa.types.is_floating(item)
+                            or pa.types.is_boolean(item)):  # fmt: skip
+        return column.to_pylist()
+    values = column.values.to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    null = column.is_null().to_numpy(zero_copy_only=False)
+    return [None if null[i] else values[offsets[i] : offsets[i + 1]] for i in range(len(column))]
+
+
 def _record(sample: dict[str, Any], step: int, where: str) -> SeqRecord:
     tokens = sample.get("tokens")
-    if tokens is not None and not isinstance(tokens, list):
+    if tokens is not None and not isinstance(tokens, (list, np.ndarray)):
         raise ProbeError(f"{where}: tokens is not a list of integers")
     if tokens is not None and sample.get("total_length") not in (None, len(tokens)):
         raise ProbeError(
