@@ -36,26 +36,38 @@ def workers() -> int:
 
 
 def ordered_map(
-    fn: Callable[[A], T], items: Iterable[A], width: int | None = None, ahead: int | None = None
+    fn: Callable[[A], T],
+    items: Iterable[A],
+    width: int | None = None,
+    ahead: int | None = None,
+    cost: Callable[[A], int] | None = None,
+    budget: int | None = None,
 ) -> Iterator[T]:
     """``fn(item)`` for each item, in the items' order, on ``width`` threads (default
     ``workers()``; 1 runs in the caller's thread), at most ``ahead`` (default ``2 * width``)
-    items in flight. An exception is raised when its item's turn comes; the items after it
-    are cancelled or waited for."""
+    items in flight, and (with ``cost`` and ``budget``) no new item started while those in
+    flight cost ``budget`` or more together. An exception is raised when its item's turn comes;
+    the items after it are cancelled or waited for."""
     width = workers() if width is None else max(1, width)
     if width == 1:
         yield from map(fn, items)
         return
-    window: deque[Future[T]] = deque()
+    limit = ahead or 2 * width
+    window: deque[tuple[Future[T], int]] = deque()
+    held = 0  # the cost of the items in flight
     pool = ThreadPoolExecutor(max_workers=width, thread_name_prefix="probe-worker")
     try:
         for item in items:
-            window.append(pool.submit(fn, item))
-            if len(window) >= (ahead or 2 * width):
-                yield window.popleft().result()
+            price = cost(item) if cost is not None else 0
+            window.append((pool.submit(fn, item), price))
+            held += price
+            while window and (len(window) >= limit or (budget is not None and held >= budget)):
+                future, price = window.popleft()
+                held -= price
+                yield future.result()
         while window:
-            yield window.popleft().result()
+            yield window.popleft()[0].result()
     finally:
-        for future in window:
+        for future, _ in window:
             future.cancel()
         pool.shutdown(wait=True, cancel_futures=True)

@@ -115,7 +115,22 @@ def _assert_same_stores(new: Path, old: Path) -> None:
                   for f in (a, b)]  # fmt: skip
         assert groups[0] == groups[1]
         assert a.read().equals(b.read()), name
+        _assert_same_float_bits(a.read(), b.read())
     assert compute_integrity(new, RUN) == compute_integrity(old, RUN)
+
+
+def _assert_same_float_bits(a: Any, b: Any) -> None:
+    """Every float the same bits (``Table.equals`` takes -0.0 for 0.0), lists' values too."""
+    import pyarrow as pa
+
+    for name in a.column_names:
+        x, y = a.column(name).combine_chunks(), b.column(name).combine_chunks()
+        while pa.types.is_list(x.type) or pa.types.is_large_list(x.type):
+            x, y = x.flatten(), y.flatten()
+        if pa.types.is_floating(x.type):
+            bits = [np.asarray(v.fill_null(0).to_numpy(zero_copy_only=False)).tobytes()
+                    for v in (x, y)]  # fmt: skip
+            assert bits[0] == bits[1], name
 
 
 def _big_steps(steps: list[int], seqs: int, length: int, seed: int) -> dict[int, list[Seq]]:
@@ -347,6 +362,15 @@ NEMO_REFERENCE = {  # what only the reference reader reads: still the same store
     "float idx": [_nemo(idx=1.5)],
     "a null sample mask": [_nemo(idx=0), _nemo(None, idx=1)],
     "a blank line": [_nemo(idx=0), "", _nemo(idx=1)],
+    "a line of spaces": [_nemo(idx=0), "  ", _nemo(idx=1)],
+    # what pyarrow reads otherwise than json: -0.0 for the integer -0
+    "the integer -0": [json.dumps(_nemo(idx=0)).replace("[[0.0, -0.4", "[[-0, -0.4")],
+    "an optional key spelt with escapes": [
+        _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25]),
+        json.dumps(_nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25], idx=7)).replace(
+            '"idx"', '"id\\u0078"'
+        ),
+    ],
 }
 
 
@@ -392,20 +416,41 @@ NEMO_BAD = {
     "unequal lengths": ([{**_nemo(), "prev_logprobs": [[0.0, -0.1]]}], "unequal length"),
     "empty mask": ([_nemo_line([0, 0, 0], [0.0] * 3, [0.0] * 3, sample_loss_mask=[1])],
                    "the loss mask selects no token"),
+    # what pyarrow reads and json refuses: the reference reader's error, not a store
+    "Inf": ([json.dumps(_nemo(idx=1)).replace('"content"', '"r": [1, Inf], "content"')],
+            "not valid JSON"),
+    "a byte-order mark": (["\ufeff" + json.dumps(_nemo(idx=0))], "not valid JSON"),
+    "two objects on one line": ([json.dumps(_nemo(idx=0)) + json.dumps(_nemo(idx=1)), "",
+                                 _nemo(idx=2)], "not valid JSON"),
 }  # fmt: skip
+ON_THE_FIRST_LINE = ("all-zero prev_logprobs", "a byte-order mark")
 
 
 @pytest.mark.parametrize("case", list(NEMO_BAD))
 def test_nemo_rl_bad_lines_give_the_same_error(case: str, tmp_path: Path) -> None:
     lines, message = NEMO_BAD[case]
     good = _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25], sample_loss_mask=[1])
-    src = _nemo_file(
-        tmp_path / "src", [good, *lines] if case != "all-zero prev_logprobs" else lines
-    )
+    src = _nemo_file(tmp_path / "src", lines if case in ON_THE_FIRST_LINE else [good, *lines])
     cfg = IngestConfig("nemo-rl", src, src)
     new = _error(RunStoreWriter, tmp_path / "new", get_format("nemo-rl").read_batches(cfg))
     old = _error(OldWriter, tmp_path / "old", get_format("nemo-rl").read(cfg))
     assert new == old and message in new
+    assert not _nemo_fast(src)
+
+
+def test_a_file_too_large_for_the_fast_reader_is_streamed_by_the_reference_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyarrow's block size is an int32: a file of ``MAX_FAST_BYTES`` or more goes to the
+    reference reader, a line at a time (here with the bound lowered), the same store."""
+    from mismatch_probe.ingest import jsonl
+
+    src = write_nemo_rl(tmp_path / "src", synthetic_steps([1, 2], seqs=4, seed=9))
+    monkeypatch.setattr(jsonl, "MAX_FAST_BYTES", 10)
+    assert not _nemo_fast(src)
+    new, old, new_counts, old_counts = _stores("nemo-rl", src, tmp_path)
+    assert asdict(new_counts) == asdict(old_counts) and new_counts.tokens > 0
+    _assert_same_stores(new, old)
 
 
 @pytest.mark.parametrize("fmt", ["prime-rl", "nemo-rl"])
@@ -440,7 +485,7 @@ def test_one_pass_gives_each_steps_metrics_and_the_integrity_bit_for_bit(tmp_pat
     assert integrity == compute_integrity(tokens, run)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn"])
 def test_slime_tensors_give_the_records_of_their_lists(dtype: str) -> None:
     """slime's samples hold tensors; the reader takes their values as numpy arrays (no Python
     object per token) and must give what it gave from their ``tolist``, bit for bit."""
@@ -500,3 +545,8 @@ def test_miles_columns_give_the_records_of_their_python_rows(tmp_path: Path) -> 
             assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), (b.source, field)
         assert (a.step, a.source, a.prompt_key) == (b.step, b.source, b.prompt_key)
     assert np.isnan(new[9 + 6].rollout).any()
+    # a column that is not one of the token arrays stays as to_pylist gives it
+    sample_index = pa.array([[i, i] for i in range(table.num_rows)], pa.list_(pa.int32()))
+    pq.write_table(table.set_column(0, "sample_index", sample_index), file, row_group_size=8)
+    keys = [r.prompt_key for r in miles.read(src, parse_steps(None))][9:]
+    assert keys == [f"sample {[i, i]}" for i in range(9)]

@@ -117,3 +117,38 @@ def test_steps_in_one_pass_equal_each_steps_own_pass_even_unordered(tmp_path: Pa
     assert sorted(steps) == [1, 2, 3]
     for step, flat in steps.items():
         assert repr(flat) == repr(compute_metrics(path, step=step).flat()), step
+
+
+def test_ordered_map_holds_back_new_items_over_its_budget() -> None:
+    """``ordered_map``'s ``budget``: no item starts while those in flight cost that much or
+    more (one always runs); the results keep the items' order."""
+    import threading
+    import time
+
+    from mismatch_probe.parallel import ordered_map
+
+    lock = threading.Lock()
+    running, most = [0], [0]
+
+    def work(item: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+        return item * 2
+
+    items = list(range(12))
+    assert list(ordered_map(work, items, width=4, cost=lambda i: 10, budget=20)) == [
+        2 * i for i in items
+    ]
+    assert most[0] == 2  # the third item waits for the first result
+    most[0] = 0
+    assert list(ordered_map(work, items, width=4, cost=lambda i: 100, budget=20)) == [
+        2 * i for i in items
+    ]
+    assert most[0] == 1  # each item alone over the budget: one at a time
+    most[0] = 0
+    assert list(ordered_map(work, items, width=4)) == [2 * i for i in items]
+    assert most[0] == 4

@@ -14,8 +14,9 @@ response, ``[T]`` per trained token), steps ascending, ``cfg.steps`` choosing th
 format has it (a vectorised reader where the bytes allow: prime-rl's and NeMo-RL's JSONL
 through ``jsonl``/pyarrow, one file per batch, files parsed on every core; verl's and SkyRL's
 dumps and probe's own Parquet by columns; the others' records gathered into batches by
-``batches.from_records``). One file of one step: ``prime_rl.read_file(file, step)`` and
-``nemo_rl.read_file(file, step) -> list[SeqBatch]``; ``FORMATS[name].read(cfg)`` is the same
+``batches.from_records``). One file of one step: ``prime_rl.fast_batch(file, step)`` and
+``nemo_rl.fast_batch(file, step) -> SeqBatch | None`` (None: the reference reader reads that
+file); ``FORMATS[name].read(cfg)`` is the same
 responses one ``SeqRecord`` at a time (the reference readers, which the fast ones fall back on
 for anything they do not read themselves, so errors read the same). ``RunStoreWriter.add_batch``
 writes batches into a run's store.

@@ -1,20 +1,32 @@
 """Vectorised JSONL: a file of one JSON object per line as an Arrow table, then numpy arrays.
 
 ``read_table`` parses a whole file with pyarrow's JSON reader against an explicit schema (fields
-outside it are skipped unparsed), so no Python object is built per token. It answers None
-wherever the reference reader (``records.iter_json_lines`` and the format's record function)
-must decide instead: a line pyarrow cannot parse as the schema says (bad JSON, another type, a
-non-object line), blank lines or carriage returns (line numbers would differ), text that is not
-UTF-8. The readers then read that file record by record, with the same messages as ever; the
-fast path only ever gives the values the reference reader gives.
+outside it are skipped unparsed), so no Python object is built per token; ``read_table_shaped``
+does the same with the schema a file's first line implies. Each answers None wherever the
+reference reader (``records.iter_json_lines`` and the format's record function) must decide
+instead, so that the fast path only ever gives the values the reference reader gives:
+
+* a line pyarrow cannot parse as the schema says (bad JSON, another type, a non-object line);
+* what pyarrow reads and Python's ``json`` refuses or reads otherwise: ``Inf``, ``-Inf``,
+  ``-NaN`` (not JSON), the integer ``-0`` (0 for ``json``, -0.0 for pyarrow), a byte-order
+  mark, two objects on one line;
+* blank lines or carriage returns (line numbers would differ), text that is not UTF-8;
+* an optional field spelt only with escapes (``"id\\u0078"``): each optional field the schema
+  does not name is parsed as a null column, so any value of it fails the parse;
+* a file of ``MAX_FAST_BYTES`` or more (pyarrow's block size is an int32).
+
+The readers then read that file record by record, with the same messages as ever.
 
 ``prefetched`` runs a per-file function on every core, in file order, a bounded number of files
-ahead (memory: a few files, whatever the number of steps).
+ahead: at most ``2 x`` the workers, and no new file while those in flight hold
+``PREFETCH_BYTES`` of JSONL or more (memory: a file's bytes and its Arrow table, for the few
+files in flight, whatever the number of steps).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +39,12 @@ from mismatch_probe.parallel import ordered_map
 
 T = TypeVar("T")
 MIN_BLOCK = 1 << 20
+MAX_FAST_BYTES = (1 << 31) - 2  # pyarrow's block size (an int32) must exceed the file
+PREFETCH_BYTES = 512 << 20
+_BOM = b"\xef\xbb\xbf"
+_INF = re.compile(rb"[\[,:][ \t]*-?Inf(?!inity)")  # Inf as a value (Infinity is json's too)
+_NEG_ZERO = (b"-0,", b"-0]", b"-0}", b"-0 ")  # the integer -0, before what can follow a value
+_BLANK = re.compile(rb"(?:^|\n)[ \t]*(?:\n|\Z)")
 
 
 def read_table(
@@ -39,12 +57,13 @@ def read_table(
     if data is None:
         return None
     optional = optional or {}
-    found = [name for name in optional if _mentions(data, name)]
+    found = [name for name in optional if f'"{name}"'.encode() in data]
+    absent = [name for name in optional if name not in found]
     choices: list[list[tuple[str, pa.DataType]]] = [[]]
     for name in found:
         choices = [[*c, (name, t)] for c in choices for t in optional[name]]
     for extra in choices:
-        table = _parse(data, pa.schema([*schema, *extra]))
+        table = _parse(data, pa.schema([*schema, *extra]), absent)
         if table is not None:
             return _one_row_per_line(table, data)
     return None
@@ -56,8 +75,8 @@ def read_table_shaped(
     """``file`` parsed against the schema its first line implies, ``shape(first object)``: one
     parse, for formats whose fields come in several shapes (a list or a one-element list of it,
     a number or a string) that stay the same from line to line. None: see the module
-    docstring, and where ``shape`` answers None, or one of ``fields`` (those ``shape`` may
-    name) occurs in the file but not in its first line (pyarrow would skip it unread)."""
+    docstring, and where ``shape`` answers None; each of ``fields`` (the optional fields
+    ``shape`` may name) that it does not name must be absent or null on every line."""
     data = _text(file)
     if data is None:
         return None
@@ -67,31 +86,41 @@ def read_table_shaped(
         return None
     if not isinstance(first, dict):
         return None
-    if any(name not in first and _mentions(data, name) for name in fields):
-        return None
     schema = shape(first)
-    table = _parse(data, schema) if schema is not None else None
+    if schema is None:
+        return None
+    table = _parse(data, schema, [name for name in fields if name not in schema.names])
     return _one_row_per_line(table, data) if table is not None else None
 
 
 def _text(file: Path) -> bytes | None:
-    """The file's bytes, or None where line numbers or the text would differ from the
-    reference reader's (carriage returns, not UTF-8) or it cannot be read."""
+    """The file's bytes, or None where the reference reader must read it (see the module
+    docstring) or it cannot be read."""
     try:
+        if file.stat().st_size >= MAX_FAST_BYTES:
+            return None
         data = file.read_bytes()
     except OSError:
         return None
-    return None if b"\r" in data or not _utf8(data) else data
+    if b"\r" in data or data.startswith(_BOM) or not _utf8(data):
+        return None
+    return None if _lenient(data) or _blank_line(data) else data
 
 
-def _mentions(data: bytes, name: str) -> bool:
-    return f'"{name}"'.encode() in data
+def _lenient(data: bytes) -> bool:
+    """Whether ``data`` may hold a value pyarrow reads and ``json`` does not read the same."""
+    if b"-NaN" in data or any(token in data for token in _NEG_ZERO):
+        return True
+    return b"Inf" in data and _INF.search(data) is not None
 
 
-def _one_row_per_line(table: pa.Table, data: bytes) -> pa.Table | None:
-    """``table`` if it has a row for every line (none blank), else None."""
-    lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-    return table if table.num_rows == lines else None
+def _blank_line(data: bytes) -> bool:
+    """Whether a line is empty or only spaces (the reference reader skips it: numbers differ)."""
+    if not (data.startswith((b"\n", b" ", b"\t")) or b"\n\n" in data or b"\n " in data
+            or b"\n\t" in data):  # fmt: skip
+        return False
+    end = len(data) - 1 if data.endswith(b"\n") else len(data)  # the last newline ends a line
+    return _BLANK.search(data, 0, end) is not None
 
 
 def _utf8(data: bytes) -> bool:
@@ -104,13 +133,24 @@ def _utf8(data: bytes) -> bool:
     return True
 
 
-def _parse(data: bytes, schema: pa.Schema) -> pa.Table | None:
+def _parse(data: bytes, schema: pa.Schema, absent: Iterable[str] = ()) -> pa.Table | None:
+    """``data`` against ``schema`` and each ``absent`` field as a null column (a value there
+    fails the parse), which is then dropped."""
+    absent = list(absent)
+    full = pa.schema([*schema, *((name, pa.null()) for name in absent)])
     read = pj.ReadOptions(use_threads=False, block_size=max(MIN_BLOCK, len(data) + 1))
-    parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    parse = pj.ParseOptions(explicit_schema=full, unexpected_field_behavior="ignore")
     try:
-        return pj.read_json(pa.BufferReader(data), read_options=read, parse_options=parse)
+        table = pj.read_json(pa.BufferReader(data), read_options=read, parse_options=parse)
     except (pa.ArrowException, ValueError):
         return None
+    return table.drop_columns(absent) if absent else table
+
+
+def _one_row_per_line(table: pa.Table, data: bytes) -> pa.Table | None:
+    """``table`` if it has a row for every line (two objects on one line give more), else None."""
+    lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+    return table if table.num_rows == lines else None
 
 
 def flat_list(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -162,5 +202,14 @@ def group_keys(table: pa.Table, name: str, rows: int) -> list[str | None] | None
 
 
 def prefetched(items: Iterable[tuple[int, Path]], fn: Callable[[Path, int], T]) -> Iterator[T]:
-    """``fn(file, step)`` of each item, in order, on every core (``parallel.ordered_map``)."""
-    return ordered_map(lambda item: fn(item[1], item[0]), items)
+    """``fn(file, step)`` of each item, in order, on every core (``parallel.ordered_map``), no
+    new file while those in flight hold ``PREFETCH_BYTES`` or more."""
+    return ordered_map(lambda item: fn(item[1], item[0]), items,
+                       cost=lambda item: _size(item[1]), budget=PREFETCH_BYTES)  # fmt: skip
+
+
+def _size(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except OSError:
+        return 0

@@ -35,6 +35,7 @@ COLUMNS = ("sample_index", "response_length", "total_length", "tokens", "loss_ma
            "rollout_log_probs")  # fmt: skip
 _FILE = re.compile(r"rollout_(\d+)\.parquet$")
 ROWS_PER_READ = 64
+ARRAYS = ("tokens", "loss_mask", "rollout_log_probs")  # one entry per token: read as numpy
 
 
 def column_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
@@ -63,10 +64,15 @@ def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
 
 
 def rows(batch: Any) -> Iterator[dict[str, Any]]:
-    """A record batch's rows as ``to_pylist`` gives them, except that a list of numbers is a
-    numpy array of its values (a null list None, a null inside it NaN, as ``float_array`` and
-    ``int_array`` read ``None``): no Python object per token."""
-    columns = {name: _column_values(batch.column(name)) for name in batch.schema.names}
+    """A record batch's rows as ``to_pylist`` gives them, except that each ``ARRAYS`` list of
+    numbers is a numpy array of its values (a null list None, a null inside it NaN, as
+    ``float_array`` and ``int_array`` read ``None``): no Python object per token."""
+    columns = {
+        name: _column_values(batch.column(name))
+        if name in ARRAYS
+        else batch.column(name).to_pylist()
+        for name in batch.schema.names
+    }
     for i in range(batch.num_rows):
         yield {name: values[i] for name, values in columns.items()}
 

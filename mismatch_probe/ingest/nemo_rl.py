@@ -115,20 +115,22 @@ def read_file_records(file: Path, step: int) -> Iterator[SeqRecord]:
 
 
 def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
-    """``read`` as one ``SeqBatch`` per step file (``read_file``), the next files parsed on
-    other cores while a batch is written."""
-    for batches in jsonl.prefetched(step_files(path, steps), read_file):
-        yield from batches
+    """``read`` as one ``SeqBatch`` per step file (``fast_batch``), the next files parsed on
+    other cores while a batch is written; a file the fast reader leaves to the reference
+    reader is read by it, a line at a time, in its turn (its records in batches of about
+    ``batches.BATCH_TOKENS``)."""
+    files = step_files(path, steps)
+    for (step, file), batch in zip(files, jsonl.prefetched(files, fast_batch), strict=True):
+        yield from [batch] if batch is not None else from_records(read_file_records(file, step))
 
 
-def read_file(file: Path, step: int) -> list[SeqBatch]:
-    """One step file -> its samples as batches (the records ``read`` yields for it, the same
-    values): one batch parsed by pyarrow's JSON reader, in the shapes the file's first line
-    has; a file it cannot read as expected (an error to report, an unusual shape or type)
-    goes through the reference reader instead."""
+def fast_batch(file: Path, step: int) -> SeqBatch | None:
+    """One step file as one ``SeqBatch`` (the records ``read`` yields for it, the same values),
+    parsed by pyarrow's JSON reader in the shapes the file's first line has; None where the
+    reference reader must read it (an error to report, an unusual shape or type: ``jsonl``
+    and ``_batch``)."""
     table = jsonl.read_table_shaped(file, _schema, _SHAPED)
-    batch = _batch(table, file, step) if table is not None else None
-    return [batch] if batch is not None else list(from_records(read_file_records(file, step)))
+    return _batch(table, file, step) if table is not None and table.num_rows else None
 
 
 _ARRAYS = {"token_ids": pa.int64(), "token_loss_mask": pa.float64(),

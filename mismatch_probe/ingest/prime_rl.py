@@ -128,21 +128,20 @@ def read_file_records(file: Path, step: int) -> Iterator[SeqRecord]:
 
 
 def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
-    """``read`` as one ``SeqBatch`` per rank file (``read_file``), the next files parsed on
-    other cores while a batch is written."""
+    """``read`` as one ``SeqBatch`` per rank file (``fast_batch``), the next files parsed on
+    other cores while a batch is written; a file the fast reader leaves to the reference
+    reader is read by it, a line at a time, in its turn."""
     files = [(step, f) for step, d in step_dirs(path, steps) for f in rank_files(d)]
-    for batches in jsonl.prefetched(files, read_file):
-        yield from batches
+    for (step, file), batch in zip(files, jsonl.prefetched(files, fast_batch), strict=True):
+        yield from [batch] if batch is not None else from_records(read_file_records(file, step))
 
 
-def read_file(file: Path, step: int) -> list[SeqBatch]:
-    """One rank file of one step -> its sequences as batches (the records ``read`` yields for
-    it, the same values): one batch parsed by pyarrow's JSON reader; a file it cannot read as
-    expected (an error to report, an unusual type, no line at all) goes through the reference
-    reader instead."""
+def fast_batch(file: Path, step: int) -> SeqBatch | None:
+    """One rank file of one step as one ``SeqBatch`` (the records ``read`` yields for it, the
+    same values), parsed by pyarrow's JSON reader; None where the reference reader must read
+    it (an error to report, an unusual type, no line at all: ``jsonl``)."""
     fast = jsonl.read_table(file, _SCHEMA, optional=_OPTIONAL)
-    batch = _batch(fast, file, step) if fast is not None and fast.num_rows else None
-    return [batch] if batch is not None else list(from_records(read_file_records(file, step)))
+    return _batch(fast, file, step) if fast is not None and fast.num_rows else None
 
 
 def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:

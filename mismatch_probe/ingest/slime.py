@@ -96,16 +96,21 @@ def read(path: Path, steps: StepRange, trust_pickle: bool = False) -> Iterator[S
         del data
 
 
+_NUMPY_DTYPES = {"torch.bool", "torch.uint8", "torch.int8", "torch.int16", "torch.int32",
+                 "torch.int64", "torch.float16", "torch.float32", "torch.float64"}  # fmt: skip
+
+
 def _values(value: Any) -> Any:
-    """A tensor's or array's values for ``int_array``/``float_array``: a real tensor as a numpy
-    array (no Python object per token; bfloat16 widened to float32, exactly, as ``tolist``
-    widens it to Python floats), so the same float64 values as its ``tolist``; anything else
-    (a list, a complex tensor) as ``tolist`` gives it."""
-    if hasattr(value, "detach") and hasattr(value, "is_complex") and not value.is_complex():
-        tensor = value.detach().cpu()
-        if str(tensor.dtype) == "torch.bfloat16":
-            tensor = tensor.float()
-        return tensor.numpy()
+    """A tensor's or array's values for ``int_array``/``float_array``: a tensor of a type numpy
+    holds (and bfloat16, widened to float32 exactly, as ``tolist`` widens it to Python floats)
+    as a numpy array, an array of numbers as it is: no Python object per token, the same
+    float64 values as ``tolist``. Anything else (a list, a float8 or complex tensor) as
+    ``tolist`` gives it."""
+    if hasattr(value, "detach") and hasattr(value, "resolve_neg"):
+        dtype = str(value.dtype)
+        if dtype in _NUMPY_DTYPES or dtype == "torch.bfloat16":
+            tensor = value.detach().cpu().resolve_conj().resolve_neg()
+            return (tensor.float() if dtype == "torch.bfloat16" else tensor).numpy()
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
         return value
     return value.tolist() if hasattr(value, "tolist") else value

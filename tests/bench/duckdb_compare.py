@@ -10,8 +10,11 @@
   of ``train_data_step<N>.jsonl``, the logger's one-element lists, padded lines,
   ``write_nemo_logs``) end to end as above, against DuckDB reading the same files and computing
   NeMo's ``gen_kl_error`` (k3 over the token mask, within ``input_lengths``, samples of
-  ``sample_loss_mask`` 1) per step; and the store written by the reference (record by record)
-  reader, what the fast reader is measured against (``speedup_store_fast_over_reference``).
+  ``sample_loss_mask`` 1; the logs hold only weights 0 and 1, which both count alike) per
+  step; and the store written by the reference (record by record) reader, what the fast
+  reader is measured against (``speedup_store_fast_over_reference``: the reference parses on
+  one core, the fast reader on every core). ``same_tokens_fast_and_reference`` compares the
+  two stores' token counts (``tests/test_ingest_fast.py`` compares stores column by column).
 * ``metrics_duckdb``: ``compute_metrics`` (every metric) of the 10 M-token bench store
   (``metrics.write_synthetic_store``) on every core and on one, against DuckDB's kl, k3_kl,
   chi2_token, chi2_seq and TIS mean. The goal: within 2x. The probe runs must agree bit
