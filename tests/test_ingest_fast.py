@@ -550,3 +550,30 @@ def test_miles_columns_give_the_records_of_their_python_rows(tmp_path: Path) -> 
     pq.write_table(table.set_column(0, "sample_index", sample_index), file, row_group_size=8)
     keys = [r.prompt_key for r in miles.read(src, parse_steps(None))][9:]
     assert keys == [f"sample {[i, i]}" for i in range(9)]
+
+
+@pytest.mark.parametrize(
+    "text,lenient",
+    [
+        (b'{"a": [1, Inf]}\n', True),
+        (b'{"a": [1, -Inf]}\n', True),
+        (b'{"a": [-NaN]}\n', True),
+        (b'{"a": [1,  Infinity, -Infinity, NaN]}\n', False),  # JSON for Python's json too
+        (b'{"a": "Information", "b": "NaN and Inf-like words"}\n', False),
+    ],
+)
+def test_the_values_only_pyarrow_reads_are_found(text: bytes, lenient: bool) -> None:
+    from mismatch_probe.ingest import jsonl
+
+    assert jsonl._lenient(text) is lenient
+
+
+@pytest.mark.parametrize(
+    "text,blank",
+    [(b"a\n\nb\n", True), (b"a\n  \nb\n", True), (b"\na\n", True), (b"a\n \n", True),
+     (b"a\nb\n", False), (b"a\n  b\n", False), (b"a\nb", False)],
+)  # fmt: skip
+def test_blank_lines_and_lines_of_spaces_are_found(text: bytes, blank: bool) -> None:
+    from mismatch_probe.ingest import jsonl
+
+    assert jsonl._blank_line(text) is blank
