@@ -8,8 +8,8 @@ instead, so that the fast path only ever gives the values the reference reader g
 
 * a line pyarrow cannot parse as the schema says (bad JSON, another type, a non-object line);
 * what pyarrow reads and Python's ``json`` refuses or reads otherwise: ``Inf``, ``-Inf``,
-  ``-NaN`` (not JSON), the integer ``-0`` (0 for ``json``, -0.0 for pyarrow: ``flat_list``
-  declines every -0.0 it reads), a byte-order mark, two objects on one line;
+  ``-NaN`` (not JSON), the integer ``-0`` (0 for ``json``, -0.0 for pyarrow), a byte-order
+  mark, two objects on one line;
 * blank lines, lines of spaces or carriage returns (line numbers would differ), text that is
   not UTF-8;
 * an optional field spelt only with escapes (``"id\\u0078"``): each optional field the schema
@@ -27,6 +27,7 @@ files in flight, whatever the number of steps).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,7 @@ MAX_FAST_BYTES = (1 << 31) - 2  # pyarrow's block size (an int32) must exceed th
 PREFETCH_BYTES = 512 << 20
 _BOM = b"\xef\xbb\xbf"
 _SPACES = b" \t"
+_INTEGER_MINUS_ZERO = re.compile(rb"-0[,\]} ]")  # -0 as a value (not -0.5, -0.0, -0e0)
 
 
 def read_table(
@@ -107,8 +109,8 @@ def _text(file: Path) -> bytes | None:
 
 def _lenient(data: bytes) -> bool:
     """Whether ``data`` holds a value pyarrow reads and ``json`` refuses: ``Inf`` or ``-Inf``
-    (``Infinity`` is JSON's too), ``-NaN``. (The integer ``-0``, which pyarrow reads as -0.0,
-    ``flat_list`` declines.)"""
+    (``Infinity`` is JSON's too), ``-NaN``. (The integer ``-0``, which pyarrow reads as -0.0:
+    ``_one_row_per_line``.)"""
     infinite = any(not data.startswith(b"inity", at + 3) for at in _values_at(data, b"Inf"))
     return infinite or any(True for _ in _values_at(data, b"-NaN"))
 
@@ -165,14 +167,33 @@ def _parse(data: bytes, schema: pa.Schema, absent: Iterable[str] = ()) -> pa.Tab
 
 
 def _one_row_per_line(table: pa.Table, data: bytes) -> pa.Table | None:
-    """``table`` if it has a row for every line (two objects on one line give more), else None."""
+    """``table`` if it has a row for every line (two objects on one line give more) and no
+    -0.0 that was the integer ``-0`` (0 for ``json``), else None."""
     lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-    return table if table.num_rows == lines else None
+    if table.num_rows != lines:
+        return None
+    if _has_negative_zero(table) and _INTEGER_MINUS_ZERO.search(data) is not None:
+        return None
+    return table
+
+
+def _has_negative_zero(table: pa.Table) -> bool:
+    """Whether a float of ``table`` (in lists too) is -0.0."""
+    for column in table.columns:
+        array = column.combine_chunks()
+        while pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+            array = array.flatten()
+        if pa.types.is_floating(array.type):
+            floats = array.fill_null(1.0).to_numpy(zero_copy_only=False)
+            zero = floats == 0.0
+            if zero.any() and np.signbit(floats[zero]).any():
+                return True
+    return False
 
 
 def flat_list(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
     """A list column -> ``(values [V], offsets [rows + 1])``; floats' nulls as NaN. None when a
-    row is null (a missing field), an integer/boolean value is null, or a float is -0.0."""
+    row is null (a missing field) or an integer/boolean value is null."""
     if column.null_count:
         return None
     array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
@@ -182,11 +203,7 @@ def flat_list(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
     values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
     offsets = offsets - offsets[0]
     if pa.types.is_floating(values.type):
-        floats = np.asarray(values.to_numpy(zero_copy_only=False), np.float64)
-        zero = floats == 0.0
-        if zero.any() and np.signbit(floats[zero]).any():
-            return None  # -0.0: the integer -0 (0 for json) or -0.0; only the reference tells
-        return floats, offsets
+        return np.asarray(values.to_numpy(zero_copy_only=False), np.float64), offsets
     if values.null_count:
         return None
     return values.to_numpy(zero_copy_only=False), offsets
