@@ -186,6 +186,22 @@ def write_nemo_logs(root: Path, steps: int, tokens_per_step: int, seed: int = 0)
     return kept
 
 
+def _fast_files(src: Path, fmt: str) -> str:
+    """``"k of n"``: the files the fast reader reads itself (the rest fall back to the
+    reference reader, which would make the row measure that instead)."""
+    from mismatch_probe.ingest import nemo_rl, prime_rl
+    from mismatch_probe.ingest.records import parse_steps
+
+    steps = parse_steps(None)
+    if fmt == "prime-rl":
+        module: Any = prime_rl
+        files = [(s, f) for s, d in prime_rl.step_dirs(src, steps) for f in prime_rl.rank_files(d)]
+    else:
+        module, files = nemo_rl, nemo_rl.step_files(src, steps)
+    fast = sum(module.fast_batch(f, s) is not None for s, f in files)
+    return f"{fast} of {len(files)}"
+
+
 def _duckdb_nemo_k3(src: str) -> dict[str, Any]:
     con = _duckdb()
     start = time.perf_counter()
@@ -289,6 +305,7 @@ def bench_ingest_duckdb() -> dict[str, Any]:
         tokens = write_export(src, INGEST_STEPS, tokens_per_step=INGEST_TOKENS_PER_STEP)
         out["jsonl_mb"] = sum(p.stat().st_size for p in src.rglob("*.jsonl")) / 2**20
         out["steps"], out["trained_tokens"] = INGEST_STEPS, tokens
+        out["files_on_the_fast_path"] = _fast_files(src, "prime-rl")
         tries = []
         for k in range(REPEATS):
             tries.append(("probe", _child(_probe_ingest, str(src), str(Path(tmp) / f"run{k}"))))
@@ -310,6 +327,7 @@ def bench_ingest_nemo_duckdb() -> dict[str, Any]:
         out["trained_tokens"] = write_nemo_logs(src, NEMO_STEPS, NEMO_TOKENS_PER_STEP)
         out["jsonl_mb"] = sum(p.stat().st_size for p in src.glob("*.jsonl")) / 2**20
         out["steps"] = NEMO_STEPS
+        out["files_on_the_fast_path"] = _fast_files(src, "nemo-rl")
         tries = []
         for k in range(REPEATS):
             run = str(Path(tmp) / f"run{k}")
