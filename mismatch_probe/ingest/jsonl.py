@@ -36,6 +36,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.json as pj
 
+from mismatch_probe.ingest.batches import SeqBatch, from_records
+from mismatch_probe.ingest.records import SeqRecord
 from mismatch_probe.parallel import ordered_map
 
 T = TypeVar("T")
@@ -112,7 +114,7 @@ def _lenient(data: bytes) -> bool:
     (``Infinity`` is JSON's too), ``-NaN``. (The integer ``-0``, which pyarrow reads as -0.0:
     ``_one_row_per_line``.)"""
     infinite = any(not data.startswith(b"inity", at + 3) for at in _values_at(data, b"Inf"))
-    return infinite or any(True for _ in _values_at(data, b"-NaN"))
+    return infinite or next(_values_at(data, b"-NaN"), None) is not None
 
 
 def _values_at(data: bytes, token: bytes) -> Iterator[int]:
@@ -237,6 +239,19 @@ def group_keys(table: pa.Table, name: str, rows: int) -> list[str | None] | None
     if pa.types.is_integer(column.type):
         return [None if v is None else str(v) for v in column.to_pylist()]
     return None
+
+
+def file_batches(
+    files: list[tuple[int, Path]],
+    fast: Callable[[Path, int], SeqBatch | None],
+    records: Callable[[Path, int], Iterable[SeqRecord]],
+) -> Iterator[SeqBatch]:
+    """Each ``(step, file)``'s batch by the fast reader, ``fast(file, step)`` (the next files
+    parsed on other cores while a batch is written: ``prefetched``); where it answers None,
+    the reference reader's ``records(file, step)``, a line at a time in the file's turn,
+    gathered into batches (``batches.from_records``)."""
+    for (step, file), batch in zip(files, prefetched(files, fast), strict=True):
+        yield from [batch] if batch is not None else from_records(records(file, step))
 
 
 def prefetched(items: Iterable[tuple[int, Path]], fn: Callable[[Path, int], T]) -> Iterator[T]:

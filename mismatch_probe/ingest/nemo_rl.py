@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import jsonl
-from mismatch_probe.ingest.batches import SeqBatch, from_records
+from mismatch_probe.ingest.batches import SeqBatch
 from mismatch_probe.ingest.records import (
     MaskRule,
     SeqRecord,
@@ -115,13 +115,9 @@ def read_file_records(file: Path, step: int) -> Iterator[SeqRecord]:
 
 
 def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
-    """``read`` as one ``SeqBatch`` per step file (``fast_batch``), the next files parsed on
-    other cores while a batch is written; a file the fast reader leaves to the reference
-    reader is read by it, a line at a time, in its turn (its records in batches of about
-    ``batches.BATCH_TOKENS``)."""
-    files = step_files(path, steps)
-    for (step, file), batch in zip(files, jsonl.prefetched(files, fast_batch), strict=True):
-        yield from [batch] if batch is not None else from_records(read_file_records(file, step))
+    """``read`` as one ``SeqBatch`` per step file (``fast_batch``), or the reference reader's
+    batches for a file it leaves to it (``jsonl.file_batches``)."""
+    yield from jsonl.file_batches(step_files(path, steps), fast_batch, read_file_records)
 
 
 def fast_batch(file: Path, step: int) -> SeqBatch | None:
@@ -172,26 +168,32 @@ def _scalar_shape(value: Any, depth: int, kind: pa.DataType) -> pa.DataType | No
     return shape if number and (kind == pa.float64() or isinstance(value, int)) else None
 
 
+def _only_items(array: pa.Array) -> pa.Array | None:
+    """A list array of one-element lists -> their elements, one per row; None where a row is
+    null or its list has another length."""
+    if array.null_count or not np.all(np.diff(array.offsets.to_numpy()) == 1):
+        return None
+    return array.flatten()
+
+
 def _unwrapped(column: pa.ChunkedArray) -> pa.ChunkedArray | None:
     """Each row's one-element list of a list -> the list (``_unwrap``); a list column as it is.
     None where a row is null or its outer list has another length."""
     if not pa.types.is_list(column.type.value_type):
         return column
-    array = column.combine_chunks()
-    if array.null_count or not np.all(np.diff(array.offsets.to_numpy()) == 1):
-        return None
-    return pa.chunked_array([array.flatten()])
+    inner = _only_items(column.combine_chunks())
+    return None if inner is None else pa.chunked_array([inner])
 
 
 def _per_row(table: pa.Table, name: str) -> np.ndarray | None:
     """``[rows]`` the number each row holds (inside its one-element lists); None where a row
     holds none (null, a list of another length)."""
-    array = table.column(name).combine_chunks()
-    while pa.types.is_list(array.type):
-        if array.null_count or not np.all(np.diff(array.offsets.to_numpy()) == 1):
-            return None
-        array = array.flatten()
-    return None if array.null_count else array.to_numpy(zero_copy_only=False)
+    array: pa.Array | None = table.column(name).combine_chunks()
+    while array is not None and pa.types.is_list(array.type):
+        array = _only_items(array)
+    if array is None or array.null_count:
+        return None
+    return array.to_numpy(zero_copy_only=False)
 
 
 def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:

@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest import jsonl
-from mismatch_probe.ingest.batches import SeqBatch, from_records
+from mismatch_probe.ingest.batches import SeqBatch
 from mismatch_probe.ingest.records import (
     SeqRecord,
     StepRange,
@@ -128,12 +128,10 @@ def read_file_records(file: Path, step: int) -> Iterator[SeqRecord]:
 
 
 def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
-    """``read`` as one ``SeqBatch`` per rank file (``fast_batch``), the next files parsed on
-    other cores while a batch is written; a file the fast reader leaves to the reference
-    reader is read by it, a line at a time, in its turn."""
+    """``read`` as one ``SeqBatch`` per rank file (``fast_batch``), or the reference reader's
+    batches for a file it leaves to it (``jsonl.file_batches``)."""
     files = [(step, f) for step, d in step_dirs(path, steps) for f in rank_files(d)]
-    for (step, file), batch in zip(files, jsonl.prefetched(files, fast_batch), strict=True):
-        yield from [batch] if batch is not None else from_records(read_file_records(file, step))
+    yield from jsonl.file_batches(files, fast_batch, read_file_records)
 
 
 def fast_batch(file: Path, step: int) -> SeqBatch | None:
