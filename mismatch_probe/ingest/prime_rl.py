@@ -114,6 +114,11 @@ def rank_files(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_files(path: Path, steps: StepRange) -> list[tuple[int, Path]]:
+    """``(step, rank file)`` of the chosen steps, in step then rank order."""
+    return [(step, f) for step, d in step_dirs(path, steps) for f in rank_files(d)]
+
+
 def read(path: Path, steps: StepRange) -> Iterator[SeqRecord]:
     """Every trained sequence of the chosen steps, rank files in rank order (one record per
     JSON line: the reference reader, and where the fast one finds something to say)."""
@@ -130,8 +135,7 @@ def read_file_records(file: Path, step: int) -> Iterator[SeqRecord]:
 def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
     """``read`` as one ``SeqBatch`` per rank file (``fast_batch``), or the reference reader's
     batches for a file it leaves to it (``jsonl.file_batches``)."""
-    files = [(step, f) for step, d in step_dirs(path, steps) for f in rank_files(d)]
-    yield from jsonl.file_batches(files, fast_batch, read_file_records)
+    yield from jsonl.file_batches(step_files(path, steps), fast_batch, read_file_records)
 
 
 def fast_batch(file: Path, step: int) -> SeqBatch | None:

@@ -192,12 +192,8 @@ def _fast_files(src: Path, fmt: str) -> str:
     from mismatch_probe.ingest import nemo_rl, prime_rl
     from mismatch_probe.ingest.records import parse_steps
 
-    steps = parse_steps(None)
-    if fmt == "prime-rl":
-        module: Any = prime_rl
-        files = [(s, f) for s, d in prime_rl.step_dirs(src, steps) for f in prime_rl.rank_files(d)]
-    else:
-        module, files = nemo_rl, nemo_rl.step_files(src, steps)
+    module: Any = {"prime-rl": prime_rl, "nemo-rl": nemo_rl}[fmt]
+    files = module.step_files(src, parse_steps(None))
     fast = sum(module.fast_batch(f, s) is not None for s, f in files)
     return f"{fast} of {len(files)}"
 
