@@ -27,46 +27,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests build their models; nothin
 for name in ("COLUMNS", "LINES"):
     os.environ.pop(name, None)
 
-# The modules of 10 s or more, slowest first (each module's total from a `--junitxml` run of
-# `make test`): scheduled before the rest, so the two workers finish on short modules and
-# not one waiting on the other's engine tests (longest first).
+# The slowest modules, slowest first (measured with ``--durations``): scheduled before the rest.
 FIRST = (
-    "test_docs_excerpts.py",
     "test_sharded_scan.py",
-    "test_refit.py",
-    "test_lifecycle.py",
-    "test_routing_engine.py",
-    "test_watch.py",
-    "test_matrix.py",
     "test_verl_wiring.py",
-    "test_layer_streams.py",
-    "test_multiturn_scan.py",
-    "test_ingest_formats.py",
     "test_multiturn_default.py",
-    "test_ingest_pickle.py",
-    "test_ingest_faults.py",
+    "test_lifecycle.py",
+    "test_matrix.py",
+    "test_docs_excerpts.py",
+    "test_watch.py",
     "test_faults.py",
-    "test_ingest_hooks.py",
-    "test_integrity_report.py",
     "test_scan_cli.py",
-    "test_report_grid.py",
-    "test_plots_visible.py",
-    "test_identity.py",
-    "test_ingest_mask_rules.py",
-    "test_rescan.py",
-    "test_routing_train.py",
+    "test_routing_engine.py",
+    "test_ingest_formats.py",
+    "test_ingest_hooks.py",
+    "test_ingest_pickle.py",
     "test_routing_scan.py",
-    "test_report_markdown.py",
-    "test_ingest_report.py",
-    "test_scan_rerun.py",
-    "test_sampling_scan.py",
-    "test_dataset.py",
-    "test_selftest.py",
-    "test_run_writer.py",
-    "test_watch_units.py",
     "test_attribution_cli.py",
-    "test_rescore_long.py",
-    "test_report_html.py",
+    "test_identity.py",
+    "test_multiturn_scan.py",
+    "test_selftest.py",
+    "test_layer_streams.py",
 )
 
 TINY_CONTEXT = 512
