@@ -365,6 +365,9 @@ NEMO_REFERENCE = {  # what only the reference reader reads: still the same store
     "a line of spaces": [_nemo(idx=0), "  ", _nemo(idx=1)],
     # what pyarrow reads otherwise than json: -0.0 for the integer -0
     "the integer -0": [json.dumps(_nemo(idx=0)).replace("[[0.0, -0.4", "[[-0, -0.4")],
+    "the integer -0 before a tab": [
+        json.dumps(_nemo(idx=0)).replace("[[0.0, -0.4", "[[-0\t, -0.4")
+    ],
     "an optional key spelt with escapes": [
         _nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25]),
         json.dumps(_nemo_line([0, 1, 1], [0.0, -0.3, -0.2], [0.0, -0.3, -0.25], idx=7)).replace(
@@ -558,6 +561,7 @@ def test_miles_columns_give_the_records_of_their_python_rows(tmp_path: Path) -> 
         (b'{"a": [1, Inf]}\n', True),
         (b'{"a": [1, -Inf]}\n', True),
         (b'{"a": [-NaN]}\n', True),
+        (b'{"a": [1,' + b" " * 80 + b"Inf]}\n", True),
         (b'{"a": [1,  Infinity, -Infinity, NaN]}\n', False),  # JSON for Python's json too
         (b'{"a": "Information", "b": "NaN and Inf-like words"}\n', False),
     ],

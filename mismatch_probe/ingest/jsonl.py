@@ -46,7 +46,7 @@ MAX_FAST_BYTES = (1 << 31) - 2  # pyarrow's block size (an int32) must exceed th
 PREFETCH_BYTES = 512 << 20
 _BOM = b"\xef\xbb\xbf"
 _SPACES = b" \t"
-_INTEGER_MINUS_ZERO = re.compile(rb"-0[,\]} ]")  # -0 as a value (not -0.5, -0.0, -0e0)
+_INTEGER_MINUS_ZERO = re.compile(rb"-0[,\]}\s]")  # -0 as a value (not -0.5, -0.0, -0e0)
 
 
 def read_table(
@@ -124,9 +124,10 @@ def _values_at(data: bytes, token: bytes) -> Iterator[int]:
         return
     at = data.find(token)
     while at >= 0:
-        before = data[max(0, at - 64) : at]
-        before = before[:-1] if before.endswith(b"-") else before
-        if before.rstrip(_SPACES).endswith((b"[", b",", b":")):
+        start = at - 1 if data.endswith(b"-", 0, at) else at
+        while start and data[start - 1] in _SPACES:
+            start -= 1
+        if start and data[start - 1] in b"[,:":
             yield at
         at = data.find(token, at + 1)
 
