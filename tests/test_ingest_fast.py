@@ -198,6 +198,12 @@ UNUSUAL = {
         ),
         _prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.25], sample_id="a"),
     ],
+    "nulls_without_ids": [
+        _prime_line(
+            4, [False, True, True, True], [0.0, -0.5, None, -0.1], [-9.0, -0.4, -0.2, None]
+        ),
+        _prime_line(3, [False, True, True], [-0.0, -0.3, -0.2], [-9.0, -0.3, -0.25]),
+    ],
     "int_keys": [
         _prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.25], sample_id=7),
         _prime_line(3, [False, True, True], [0.0, -0.3, -0.2], [-9.0, -0.3, -0.25], sample_id=7),
@@ -232,6 +238,24 @@ def _prime_file(root: Path, lines: list[str]) -> Path:
 @pytest.mark.parametrize("case", list(UNUSUAL))
 def test_prime_rl_unusual_lines_give_the_same_store(case: str, tmp_path: Path) -> None:
     src = _prime_file(tmp_path / "src", UNUSUAL[case])
+    new, old, new_counts, old_counts = _stores("prime-rl", src, tmp_path)
+    assert asdict(new_counts) == asdict(old_counts)
+    _assert_same_stores(new, old)
+
+
+@pytest.mark.parametrize("case", ["turns", "nulls_without_ids", "several_steps"])
+def test_prime_rl_without_the_compiled_reader_gives_the_same_store(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyarrow's reader, where the package has no compiled one (the compiled reader reads
+    these files in the other tests; ``sample_id`` is left to pyarrow's in any case)."""
+    from mismatch_probe.ingest import jsonl
+
+    if case == "several_steps":
+        src = write_prime_rl(tmp_path / "src", _big_steps([1, 2], seqs=40, length=900, seed=2))
+    else:
+        src = _prime_file(tmp_path / "src", UNUSUAL[case])
+    monkeypatch.setattr(jsonl, "_lines", None)
     new, old, new_counts, old_counts = _stores("prime-rl", src, tmp_path)
     assert asdict(new_counts) == asdict(old_counts)
     _assert_same_stores(new, old)
@@ -278,8 +302,10 @@ def test_prime_rl_takes_the_fast_path_on_an_ordinary_export(tmp_path: Path) -> N
 
     src = write_prime_rl(tmp_path / "src", synthetic_steps([1], seqs=3))
     file = src / "token_exports" / "step_1" / "rank_0.jsonl"
-    table = jsonl.read_table(file, prime_rl._SCHEMA, prime_rl._OPTIONAL)
-    assert table is not None and prime_rl._batch(table, file, 1) is not None
+    assert jsonl.read_columns(file, prime_rl._COLUMNS) is not None  # the compiled reader
+    assert prime_rl.fast_batch(file, 1) is not None
+    table = jsonl.read_table(file, prime_rl._SCHEMA, prime_rl._OPTIONAL)  # pyarrow's
+    assert table is not None
     blank = tmp_path / "blank.jsonl"
     blank.write_text(file.read_text() + "\n")  # a blank line: the reference reader decides
     assert jsonl.read_table(blank, prime_rl._SCHEMA, prime_rl._OPTIONAL) is None
@@ -384,23 +410,53 @@ def _nemo_file(root: Path, lines: list) -> Path:
     return root
 
 
-def _nemo_fast(src: Path) -> bool:
-    from mismatch_probe.ingest import jsonl, nemo_rl
+def _nemo_reader(src: Path) -> str | None:
+    """Which reader gives the step file's batch: ``"compiled"``, ``"pyarrow"`` or None (the
+    reference reader's records)."""
+    from mismatch_probe.ingest import nemo_rl
 
     file = src / "train_data_step1.jsonl"
-    table = jsonl.read_table_shaped(file, nemo_rl._schema, nemo_rl._SHAPED)
-    return table is not None and nemo_rl._batch(table, file, 1) is not None
+    for name, parse in (("compiled", nemo_rl._compiled), ("pyarrow", nemo_rl._by_pyarrow)):
+        parsed = parse(file)
+        if parsed is not None:
+            return name if nemo_rl._batch(*parsed, file, 1) is not None else None
+    return None
 
 
+def _nemo_fast(src: Path) -> bool:
+    return _nemo_reader(src) is not None
+
+
+NEMO_NOT_COMPILED = {  # the fast cases the compiled reader leaves to pyarrow's
+    "flat lists, scalars, string ids": "an idx string",
+    "non-finite and null log-probs": "NaN and Infinity",
+}
+NEMO_COMPILED_ONLY = ("the integer -0", "the integer -0 before a tab")  # json's 0.0, not -0.0
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "pyarrow"])
 @pytest.mark.parametrize(
     "case,fast",
     [(c, True) for c in NEMO_FAST] + [(c, False) for c in NEMO_REFERENCE],
 )
 def test_nemo_rl_lines_give_the_store_of_the_record_reader(
-    case: str, fast: bool, tmp_path: Path
+    case: str, fast: bool, compiled: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each case read by the compiled reader where it can, or by pyarrow's where the package
+    has no compiled one (``compiled=False``), else by the reference reader: the same store."""
+    from mismatch_probe.ingest import jsonl
+
+    if not compiled:
+        monkeypatch.setattr(jsonl, "_lines", None)
+        monkeypatch.setattr(jsonl, "COMPILED", False)
     src = _nemo_file(tmp_path / "src", {**NEMO_FAST, **NEMO_REFERENCE}[case])
-    assert _nemo_fast(src) is fast
+    if compiled and case in NEMO_COMPILED_ONLY:
+        expected: str | None = "compiled"
+    elif fast:
+        expected = "pyarrow" if not compiled or case in NEMO_NOT_COMPILED else "compiled"
+    else:
+        expected = None
+    assert _nemo_reader(src) == expected
     new, old, new_counts, old_counts = _stores("nemo-rl", src, tmp_path)
     assert asdict(new_counts) == asdict(old_counts) and new_counts.sequences > 0
     _assert_same_stores(new, old)
@@ -408,7 +464,7 @@ def test_nemo_rl_lines_give_the_store_of_the_record_reader(
 
 def test_nemo_rl_takes_the_fast_path_on_the_loggers_files(tmp_path: Path) -> None:
     src = write_nemo_rl(tmp_path / "src", synthetic_steps([1], seqs=4))
-    assert _nemo_fast(src)
+    assert _nemo_reader(src) == "compiled"
 
 
 NEMO_BAD = {
@@ -445,7 +501,8 @@ def test_a_file_too_large_for_the_fast_reader_is_streamed_by_the_reference_reade
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """pyarrow's block size is an int32: a file of ``MAX_FAST_BYTES`` or more goes to the
-    reference reader, a line at a time (here with the bound lowered), the same store."""
+    reference reader, a line at a time (here with the bound lowered), the same store; the
+    compiled reader does not hold such a file whole either."""
     from mismatch_probe.ingest import jsonl
 
     src = write_nemo_rl(tmp_path / "src", synthetic_steps([1, 2], seqs=4, seed=9))

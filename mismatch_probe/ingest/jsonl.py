@@ -1,5 +1,11 @@
 """Vectorised JSONL: a file of one JSON object per line as an Arrow table, then numpy arrays.
 
+``read_columns`` parses a whole file in compiled code (``_lines.c``, built with the package):
+the named fields' values on every line as flat numpy arrays, every other field validated and
+skipped. It accepts only lines Python's ``json`` reads, and gives the values ``json`` gives
+(``_lines.c`` says how, floats to the last bit); for anything else, or where the package was
+built without a C compiler, it answers None and the caller tries the next reader.
+
 ``read_table`` parses a whole file with pyarrow's JSON reader against an explicit schema (fields
 outside it are skipped unparsed), so no Python object is built per token; ``read_table_shaped``
 does the same with the schema a file's first line implies. Each answers None wherever the
@@ -30,6 +36,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -40,13 +47,70 @@ from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.records import SeqRecord
 from mismatch_probe.parallel import ordered_map
 
+_lines: ModuleType | None
+try:
+    from mismatch_probe.ingest import _lines
+except ImportError:  # the package was built without a C compiler: pyarrow's reader only
+    _lines = None
+
 T = TypeVar("T")
+COMPILED = _lines is not None
+# read_columns' kinds of field: the _lines constant and the values' dtype
+KINDS: dict[str, tuple[str, Any]] = {
+    "int": ("INT", np.int64),  # an integer (int64) on every line
+    "float": ("FLOAT", np.float64),  # a number on every line
+    "int_list": ("INT_LIST", np.int64),  # a list of integers on every line
+    "bool_list": ("BOOL_LIST", np.bool_),  # a list of true / false
+    "float_list": ("FLOAT_LIST", np.float64),  # a list of numbers (null: NaN)
+    "absent": ("ABSENT", None),  # on no line (where it is, another reader decides)
+}
+Column = tuple[np.ndarray, np.ndarray | None]  # (values [V], offsets [lines + 1] of a list)
 MIN_BLOCK = 1 << 20
-MAX_FAST_BYTES = (1 << 31) - 2  # pyarrow's block size (an int32) must exceed the file
+MAX_FAST_BYTES = (1 << 31) - 2  # pyarrow's block size (an int32) must exceed the file; and
+# a larger file is not held whole by the compiled reader either (the reference reader streams)
 PREFETCH_BYTES = 512 << 20
 _BOM = b"\xef\xbb\xbf"
 _SPACES = b" \t"
 _INTEGER_MINUS_ZERO = re.compile(rb"-0[,\]}\s]")  # -0 as a value (not -0.5, -0.0, -0e0)
+
+
+def read_columns(
+    file: Path, fields: Mapping[str, str | tuple[str, int]]
+) -> dict[str, Column] | None:
+    """Each of ``fields`` (name -> a kind of ``KINDS``, or ``(kind, wrap)``: the value inside
+    ``wrap`` one-element lists, ``[[...]]`` for a list of wrap 1) on every line of ``file``,
+    parsed in compiled code: ``{name: (values, offsets)}`` (offsets None for a scalar). None where
+    Python's ``json`` would refuse a line or read it otherwise, a value is not of its kind, the
+    file has no line, or the package has no compiled reader (the module docstring)."""
+    if _lines is None:
+        return None
+    try:
+        if file.stat().st_size >= MAX_FAST_BYTES:
+            return None  # as for pyarrow's reader: the reference reader streams it
+        data = file.read_bytes()
+    except OSError:
+        return None
+    kinds = {name: (kind, 0) if isinstance(kind, str) else kind for name, kind in fields.items()}
+    spec = tuple((name, getattr(_lines, KINDS[k][0]), wrap) for name, (k, wrap) in kinds.items())
+    parsed = _lines.columns(data, spec)
+    if parsed is None:
+        return None
+    _, found = parsed
+    return {
+        name: (np.frombuffer(values, KINDS[kinds[name][0]][1]),
+               None if offsets is None else np.frombuffer(offsets, np.int64))
+        for name, (values, offsets) in found.items()
+    }  # fmt: skip
+
+
+def first_object(file: Path) -> dict[str, Any] | None:
+    """``json`` of the file's first line where it is an object, else None."""
+    try:
+        with file.open("rb") as fh:
+            first = json.loads(fh.readline())
+    except (OSError, ValueError):
+        return None
+    return first if isinstance(first, dict) else None
 
 
 def read_table(

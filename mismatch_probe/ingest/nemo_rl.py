@@ -122,16 +122,86 @@ def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
 
 def fast_batch(file: Path, step: int) -> SeqBatch | None:
     """One step file as one ``SeqBatch`` (the records ``read`` yields for it, the same values),
-    parsed by pyarrow's JSON reader in the shapes the file's first line has; None where the
-    reference reader must read it (an error to report, an unusual shape or type: ``jsonl``
-    and ``_batch``)."""
+    parsed in compiled code (``jsonl.read_columns``) or else by pyarrow's JSON reader, in the
+    shapes the file's first line has; None where the reference reader must read it (an error
+    to report, an unusual shape or type: ``jsonl`` and ``_batch``)."""
+    parsed = _compiled(file)
+    if parsed is None:
+        parsed = _by_pyarrow(file)
+    return None if parsed is None else _batch(*parsed, file, step)
+
+
+Parsed = tuple[
+    dict[str, tuple[np.ndarray, np.ndarray]],  # _ARRAYS: (values, offsets)
+    "np.ndarray | None",  # input_lengths of each row, None where the file has none
+    "np.ndarray | None",  # sample_loss_mask of each row, None where the file has none
+    list[str | None],  # each row's key (idx)
+]
+
+
+def _compiled(file: Path) -> Parsed | None:
+    """The file by the compiled reader, in the kinds and wraps of its first line
+    (``_fields``); None where it leaves the file to pyarrow's reader."""
+    first = jsonl.first_object(file) if jsonl.COMPILED else None
+    fields = _fields(first) if first is not None else None
+    columns = jsonl.read_columns(file, fields) if fields is not None else None
+    if columns is None:
+        return None
+    per_row = {n: columns[n][0] if n in columns else None for n in _SHAPED}
+    idx = per_row["idx"]
+    rows = len(columns["token_ids"][1]) - 1  # type: ignore[arg-type]
+    keys: list[str | None] = [None] * rows if idx is None else [f"idx {v}" for v in idx.tolist()]
+    arrays = {n: columns[n] for n in _ARRAYS}
+    return arrays, per_row["input_lengths"], per_row[SAMPLE_MASK], keys  # type: ignore[return-value]
+
+
+def _fields(first: dict[str, Any]) -> dict[str, tuple[str, int]] | None:
+    """``_schema`` for the compiled reader: each field's kind and wrap; None where it cannot
+    read the first line's shapes (an ``idx`` string)."""
+    fields = {}
+    for name, kind in _ARRAYS_COMPILED.items():
+        value = first.get(name)
+        if not isinstance(value, list):
+            return None
+        fields[name] = (kind, 1 if len(value) == 1 and isinstance(value[0], list) else 0)
+    optional = (("input_lengths", "int", 1), (SAMPLE_MASK, "float", 2), ("idx", "int", 0))
+    for name, kind, depth in optional:
+        if name not in first:
+            fields[name] = ("absent", 0)
+            continue
+        value, wrap = first[name], 0
+        while isinstance(value, list) and len(value) == 1 and wrap < depth:
+            value, wrap = value[0], wrap + 1
+        if isinstance(value, bool) or not isinstance(value, int if kind == "int" else (int, float)):
+            return None
+        fields[name] = (kind, wrap)
+    return fields
+
+
+def _by_pyarrow(file: Path) -> Parsed | None:
+    """The file by pyarrow's JSON reader (``_schema``); None where the reference reader must
+    read it."""
     table = jsonl.read_table_shaped(file, _schema, _SHAPED)
-    return _batch(table, file, step) if table is not None and table.num_rows else None
+    if table is None or not table.num_rows:
+        return None
+    arrays = {}
+    for name in _ARRAYS:
+        column = _unwrapped(table.column(name))
+        flat = jsonl.flat_list(column) if column is not None else None
+        if flat is None:
+            return None
+        arrays[name] = flat
+    per_row = {n: _per_row(table, n) if n in table.column_names else None for n in _SHAPED[:2]}
+    if any(v is None for n, v in per_row.items() if n in table.column_names):
+        return None
+    return arrays, per_row["input_lengths"], per_row[SAMPLE_MASK], _keys(table, table.num_rows)
 
 
 _ARRAYS = {"token_ids": pa.int64(), "token_loss_mask": pa.float64(),
            "generation_logprobs": pa.float64(), "prev_logprobs": pa.float64()}  # fmt: skip
 _SHAPED = ("input_lengths", SAMPLE_MASK, "idx")  # optional, each a number or one-element lists
+_ARRAYS_COMPILED = {"token_ids": "int_list", "token_loss_mask": "float_list",
+                    "generation_logprobs": "float_list", "prev_logprobs": "float_list"}  # fmt: skip
 
 
 def _schema(first: dict[str, Any]) -> pa.Schema | None:
@@ -196,33 +266,35 @@ def _per_row(table: pa.Table, name: str) -> np.ndarray | None:
     return array.to_numpy(zero_copy_only=False)
 
 
-def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
-    """``_record`` on every row at once, and the all-zero ``prev_logprobs`` refusal of
-    ``read_file_records``; None wherever either would raise (the reference reader then names
+def _batch(
+    cols: dict[str, tuple[np.ndarray, np.ndarray]],
+    lengths: np.ndarray | None,
+    weights: np.ndarray | None,
+    keys: list[str | None],
+    file: Path,
+    step: int,
+) -> SeqBatch | None:
+    """``_record`` on every row at once (the flat ``_ARRAYS``, each row's ``input_lengths`` and
+    ``sample_loss_mask`` where the file has them), and the all-zero ``prev_logprobs`` refusal
+    of ``read_file_records``; None wherever either would raise (the reference reader then names
     the line) or a value comes in a form only it reads."""
-    cols = {}
-    for name in _ARRAYS:
-        column = _unwrapped(table.column(name))
-        cols[name] = jsonl.flat_list(column) if column is not None else None
-    if any(c is None for c in cols.values()):
+    offsets = cols["token_ids"][1]
+    if any(not np.array_equal(c[1], offsets) for c in cols.values()):
         return None
-    offsets = cols["token_ids"][1]  # type: ignore[index]
-    if any(not np.array_equal(c[1], offsets) for c in cols.values()):  # type: ignore[index]
-        return None
-    tokens, mask_values, rollout, train = (c[0] for c in cols.values())  # type: ignore[index]
+    tokens, mask_values, rollout, train = (cols[n][0] for n in _ARRAYS)
     if tokens.dtype.kind != "i" or np.any((tokens > 2**53) | (tokens < -(2**53))):
         return None  # int_array reads ids through float64: exact only up to 2^53
     if not np.isin(mask_values, (0.0, 1.0)).all():
         return None
     n = np.diff(offsets)
-    lengths = _per_row(table, "input_lengths") if "input_lengths" in table.column_names else n
-    if lengths is None or not np.all((lengths > 0) & (lengths <= n)):
+    lengths = n if lengths is None else lengths
+    if not np.all((lengths > 0) & (lengths <= n)):
         return None
     index = np.arange(len(tokens)) - np.repeat(offsets[:-1], n)  # each entry's index in its row
     mask = (mask_values == 1.0) & (index < np.repeat(lengths, n)) & (index > 0)
     running = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
     trained = running[offsets[1:]] - running[offsets[:-1]]  # [rows] trained tokens of each
-    sampled = _sample_rules(table, trained)
+    sampled = _sample_rules(weights, trained)
     if sampled is None:
         return None
     rules, removed = sampled
@@ -236,7 +308,7 @@ def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
     return SeqBatch(
         step=step,
         sources=[f"{file}:{i}" for i in range(1, len(n) + 1)],
-        prompt_keys=_keys(table, len(n)),
+        prompt_keys=keys,
         lengths=counts,
         token_ids=tokens[keep].astype(np.int64),
         positions=positions,
@@ -247,17 +319,17 @@ def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
 
 
 def _sample_rules(
-    table: pa.Table, trained: np.ndarray
+    weights: np.ndarray | None, trained: np.ndarray
 ) -> tuple[list[tuple[MaskRule, ...]], np.ndarray] | None:
-    """``_sample_mask`` of every row (``trained``: ``[rows]`` its trained tokens): the rules
-    and ``[rows]`` whether the mask removes the row; None where ``_sample_mask`` would raise."""
+    """``_sample_mask`` of every row (``weights``: each row's ``sample_loss_mask``, None where
+    the file has none; ``trained``: ``[rows]`` its trained tokens): the rules and ``[rows]``
+    whether the mask removes the row; None where ``_sample_mask`` would raise."""
     rows = len(trained)
-    if SAMPLE_MASK not in table.column_names:
+    if weights is None:
         return [(MaskRule(SAMPLE_MASK, False, _MISSING, int(t)),) for t in trained], np.zeros(
             rows, bool
         )
-    weights = _per_row(table, SAMPLE_MASK)
-    if weights is None or not np.all((weights >= 0.0) & (weights <= 1.0)):  # NaN fails too
+    if not np.all((weights >= 0.0) & (weights <= 1.0)):  # NaN fails too
         return None
     rules: list[tuple[MaskRule, ...]] = [
         (MaskRule(SAMPLE_MASK, True, _APPLIED, int(t) if w == 0.0 else 0),)

@@ -65,6 +65,10 @@ _SCHEMA = pa.schema(
     ]
 )
 _OPTIONAL = {"sample_id": (pa.string(), pa.int64())}  # not in schema 1; newer exports
+_COLUMNS = {  # jsonl.read_columns: a file without sample_id (where it is: pyarrow's reader)
+    "schema_version": "int", "token_ids": "int_list", "loss_mask": "bool_list",
+    "inference_logprobs": "float_list", "trainer_logprobs": "float_list", "sample_id": "absent",
+}  # fmt: skip
 DEFAULT_MAX_OFF_POLICY = 8  # OrchestratorConfig.max_off_policy_steps in the source above
 
 
@@ -140,24 +144,40 @@ def read_batches(path: Path, steps: StepRange) -> Iterator[SeqBatch]:
 
 def fast_batch(file: Path, step: int) -> SeqBatch | None:
     """One rank file of one step as one ``SeqBatch`` (the records ``read`` yields for it, the
-    same values), parsed by pyarrow's JSON reader; None where the reference reader must read
-    it (an error to report, an unusual type, no line at all: ``jsonl``)."""
-    fast = jsonl.read_table(file, _SCHEMA, optional=_OPTIONAL)
-    return _batch(fast, file, step) if fast is not None and fast.num_rows else None
-
-
-def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
-    """The fast path's checks and masks; None where the reference reader must decide."""
-    version = table.column("schema_version")
-    if version.null_count or not np.isin(version.to_numpy(), SCHEMA_VERSIONS).all():
+    same values), parsed in compiled code (``jsonl.read_columns``) or else by pyarrow's JSON
+    reader; None where the reference reader must read it (an error to report, an unusual type,
+    no line at all: ``jsonl``)."""
+    columns = jsonl.read_columns(file, _COLUMNS)
+    if columns is not None:
+        version, _ = columns.pop("schema_version")
+        lines = len(version)
+        return _batch(version, columns, [None] * lines, file, step)  # type: ignore[arg-type]
+    table = jsonl.read_table(file, _SCHEMA, optional=_OPTIONAL)
+    if table is None or not table.num_rows:
         return None
+    versions = table.column("schema_version")
+    keys = jsonl.group_keys(table, "sample_id", table.num_rows)
     cols = {n: jsonl.flat_list(table.column(n)) for n in _ARRAYS}
-    if any(c is None for c in cols.values()):
+    if versions.null_count or keys is None or any(c is None for c in cols.values()):
         return None
-    offsets = cols["token_ids"][1]  # type: ignore[index]
-    if any(not np.array_equal(c[1], offsets) for c in cols.values()):  # type: ignore[index]
+    return _batch(versions.to_numpy(), cols, keys, file, step)  # type: ignore[arg-type]
+
+
+def _batch(
+    version: np.ndarray,
+    cols: dict[str, tuple[np.ndarray, np.ndarray]],
+    keys: list[str | None],
+    file: Path,
+    step: int,
+) -> SeqBatch | None:
+    """The fast path's checks and masks on the flat arrays of ``_ARRAYS`` (values, offsets);
+    None where the reference reader must decide."""
+    if not np.isin(version, SCHEMA_VERSIONS).all():
+        return None
+    offsets = cols["token_ids"][1]
+    if any(not np.array_equal(c[1], offsets) for c in cols.values()):
         return None  # unequal lengths: the reference reader names the line
-    tokens, mask_values = (cols[n][0] for n in ("token_ids", "loss_mask"))  # type: ignore[index]
+    tokens, mask_values = (cols[n][0] for n in ("token_ids", "loss_mask"))
     if tokens.dtype.kind != "i" or mask_values.dtype != np.bool_:
         return None
     mask = mask_values.copy()
@@ -167,10 +187,7 @@ def _batch(table: pa.Table, file: Path, step: int) -> SeqBatch | None:
     if kept is None:
         return None  # a line whose mask selects no token: an error the reference reader names
     keep, counts, positions = kept
-    keys = jsonl.group_keys(table, "sample_id", len(lengths))
-    if keys is None:
-        return None
-    rollout, train = (cols[n][0] for n in ("inference_logprobs", "trainer_logprobs"))  # type: ignore[index]
+    rollout, train = (cols[n][0] for n in ("inference_logprobs", "trainer_logprobs"))
     return SeqBatch(
         step=step,
         sources=[f"{file}:{i}" for i in range(1, len(lengths) + 1)],
