@@ -4,8 +4,8 @@ A ``SeqBatch`` is what a fast reader yields (the prime-rl JSONL reader parses a 
 in compiled code, ``jsonl.read_columns``, and never builds a Python object per token) and what
 the store writer consumes (``RunStoreWriter.add_batch``). It holds the same information as a run
 of ``SeqRecord`` s of one step, in order: ``[S]`` per response, ``[T]`` per trained token (the
-responses' tokens concatenated, ``lengths`` of them each). A response with no trained token has length 0 (an
-empty record: counted, not stored).
+responses' tokens concatenated, ``lengths`` of them each). A response with no trained token has
+length 0 (an empty record: counted, not stored).
 
 ``from_records`` turns record readers' output into batches (one step per batch, at most about
 ``BATCH_TOKENS`` tokens), so every format goes through the same vectorised writer.
