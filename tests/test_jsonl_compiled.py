@@ -32,7 +32,18 @@ def test_the_reader_is_built() -> None:
 def _columns(tmp: Path, text: bytes, fields: dict[str, str] = FIELDS) -> dict[str, Any] | None:
     file = tmp / "f.jsonl"
     file.write_bytes(text)
-    return jsonl.read_columns(file, fields)
+    found = jsonl.read_columns(file, fields)
+    assert _same(found, jsonl.parse_columns(text, fields))
+    return found
+
+
+def _same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(
+        a[k][0].tobytes() == b[k][0].tobytes() and (a[k][1] is None) == (b[k][1] is None)
+        for k in a
+    )
 
 
 def _bits(values: Any) -> bytes:
@@ -183,7 +194,7 @@ def test_a_corrupted_line_is_refused_or_read_as_json_reads_it(tmp_path: Path) ->
     )
     alphabet = b' \t,:[]{}"\\-+.eE0123456789truefalsnxu\xc3\xa9\x80'
     accepted = 0
-    for _ in range(4000):
+    for _ in range(20_000):
         line = bytearray(base)
         for _ in range(rng.randint(1, 3)):
             at = rng.randrange(len(line))
@@ -196,12 +207,12 @@ def test_a_corrupted_line_is_refused_or_read_as_json_reads_it(tmp_path: Path) ->
             else:
                 line[at] = byte
         text = bytes(line) + b"\n"
-        found = _columns(tmp_path, text)
+        found = jsonl.parse_columns(text, FIELDS)
         if found is None:
             continue
         accepted += 1
         _assert_as_json(found, text)  # json.loads raises where it refuses the line
-    assert accepted > 100  # the edits that keep a line valid are read, not all refused
+    assert accepted > 500  # the edits that keep a line valid are read, not all refused
 
 
 def test_files_parse_on_threads_at_once(tmp_path: Path) -> None:

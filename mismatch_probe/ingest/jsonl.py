@@ -90,6 +90,15 @@ def read_columns(
         data = file.read_bytes()
     except OSError:
         return None
+    return parse_columns(data, fields)
+
+
+def parse_columns(
+    data: bytes, fields: Mapping[str, str | tuple[str, int]]
+) -> dict[str, Column] | None:
+    """``read_columns`` of a file's bytes."""
+    if _lines is None:
+        return None
     kinds = {name: (kind, 0) if isinstance(kind, str) else kind for name, kind in fields.items()}
     spec = tuple((name, getattr(_lines, KINDS[k][0]), wrap) for name, (k, wrap) in kinds.items())
     parsed = _lines.columns(data, spec)
