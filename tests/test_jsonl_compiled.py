@@ -41,8 +41,7 @@ def _same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     if a is None or b is None:
         return a is b
     return a.keys() == b.keys() and all(
-        a[k][0].tobytes() == b[k][0].tobytes() and (a[k][1] is None) == (b[k][1] is None)
-        for k in a
+        a[k][0].tobytes() == b[k][0].tobytes() and (a[k][1] is None) == (b[k][1] is None) for k in a
     )
 
 
