@@ -271,6 +271,9 @@ BAD = {
         '"schema_version": 1', '"schema_version": 2')],
     "big id": [_prime_line(2, [False, True], [0.0, -0.1], [-9.0, -0.1]).replace(
         "[1, 2]", "[1, 4294967296]")],
+    # the reference reads ids through float64: 2^53 + 1 is named as 2^53 on both paths
+    "id beyond 2^53": [_prime_line(2, [False, True], [0.0, -0.1], [-9.0, -0.1]).replace(
+        "[1, 2]", "[1, 9007199254740993]")],
 }  # fmt: skip
 
 

@@ -23,6 +23,8 @@
  *     rounding to 64 bits) and the rounding to a double, which is exact unless the extended
  *     result lies on a halfway point between two doubles; any other number, and that case,
  *     through PyOS_string_to_double, Python's own ``float`` (holding the interpreter lock);
+ *   - an integer of more than MAX_INT_DIGITS digits anywhere is left to the slower reader
+ *     (``json``'s int() refuses more than sys.get_int_max_str_digits(), 640 at the least);
  *   - an integer in a float list is its value as a double (``-0`` is 0.0, as for ``json``,
  *     whose int 0 becomes 0.0); null in a float list is NaN; an infinite value is refused.
  *
@@ -39,6 +41,8 @@ enum kind { K_INT = 0, K_INT_LIST = 1, K_BOOL_LIST = 2, K_FLOAT_LIST = 3, K_ABSE
 #define MAX_WRAP 4
 #define MAX_FIELDS 16
 #define MAX_DEPTH 64
+#define MAX_EXPONENT 100000 /* beyond any double's decimal exponent and any digit count here */
+#define MAX_INT_DIGITS 640  /* the least limit sys.set_int_max_str_digits allows */
 #define BAIL (-1)
 #define NOMEM (-2)
 
@@ -162,12 +166,16 @@ static inline int scan_number(cursor_t *c, number_t *n)
             return BAIL;
         long long e = 0;
         for (; is_digit(*p); p++)
-            if (e < 100000)
+            if (e < MAX_EXPONENT)
                 e = e * 10 + (*p - '0');
+        if (e >= MAX_EXPONENT)
+            dropped = 1; /* an exponent past any double's range: the slow path reads it all */
         exponent += minus ? -e : e;
     }
     if (p < end && !(*p == ',' || *p == ']' || *p == '}' || *p == ' ' || *p == '\t'))
         return BAIL; /* "01", "1.5.3", "1x": not one JSON number */
+    if (is_int && p - n->start > MAX_INT_DIGITS)
+        return BAIL; /* json's int() may refuse it (sys.get_int_max_str_digits) */
     n->negative = negative;
     n->is_int = is_int;
     n->digits = dropped ? 20 : count; /* 20: more than the mantissa holds, the slow path */

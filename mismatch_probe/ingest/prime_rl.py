@@ -180,6 +180,8 @@ def _batch(
     tokens, mask_values = (cols[n][0] for n in ("token_ids", "loss_mask"))
     if tokens.dtype.kind != "i" or mask_values.dtype != np.bool_:
         return None
+    if np.any((tokens > 2**53) | (tokens < -(2**53))):
+        return None  # int_array reads ids through float64: exact only up to 2^53
     mask = mask_values.copy()
     lengths = np.diff(offsets)
     mask[offsets[:-1][lengths > 0]] = False  # index 0 has no log-prob (a pad value)
