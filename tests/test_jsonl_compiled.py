@@ -136,7 +136,7 @@ LEFT = {  # what Python's json refuses, reads otherwise, or what another reader 
     "trailing comma": b'"x": [1,]',
     "a number then a letter": b'"x": [1x]',
     "an infinite float": b'"x": [1e999]',
-    "an exponent past the scanner's bound": b'"x": [0.' + b"0" * 99_999 + b'1e1000000000]',
+    "an exponent past the scanner's bound": b'"x": [0.' + b"0" * 99_999 + b"1e1000000000]",
     "an integer json's int() may refuse": b'"x": [], "v": -' + b"9" * 4301,
     "a float in an int list": b'"x": [], "t": [1.0]',
     "a number in a bool list": b'"x": [], "m": [1]',
