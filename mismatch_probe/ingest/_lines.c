@@ -333,6 +333,39 @@ static int literal(cursor_t *c, const char *word, Py_ssize_t len)
     return 0;
 }
 
+/* An opening bracket and the spaces after it: 1 where the closing one follows at once (an
+ * empty list or object, consumed), 0 where an item follows, BAIL on anything else. */
+static int opened(cursor_t *c, unsigned char open, unsigned char close)
+{
+    if (c->p >= c->end || *c->p != open)
+        return BAIL;
+    c->p++;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == close) {
+        c->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* After an item of a list or a member of an object: a comma and spaces (0: another item
+ * follows) or the closing bracket (1: consumed, the end), else BAIL. */
+static int after_item(cursor_t *c, unsigned char close)
+{
+    skip_ws(c);
+    if (c->p >= c->end)
+        return BAIL;
+    if (*c->p == close) {
+        c->p++;
+        return 1;
+    }
+    if (*c->p != ',')
+        return BAIL;
+    c->p++;
+    skip_ws(c);
+    return 0;
+}
+
 /* Any JSON value at c->p, validated and skipped. */
 static int skip_value(cursor_t *c, int depth)
 {
@@ -353,13 +386,9 @@ static int skip_value(cursor_t *c, int depth)
     case '[':
     case '{': {
         unsigned char close = ch == '[' ? ']' : '}';
-        c->p++;
-        skip_ws(c);
-        if (c->p < c->end && *c->p == close) {
-            c->p++;
-            return 0;
-        }
-        for (;;) {
+        for (int next = opened(c, ch, close); next != 1;) {
+            if (next < 0)
+                return next;
             if (close == '}') {
                 if (c->p >= c->end || *c->p != '"' || scan_string(c, &escaped))
                     return BAIL;
@@ -371,18 +400,9 @@ static int skip_value(cursor_t *c, int depth)
             }
             if (skip_value(c, depth + 1))
                 return BAIL;
-            skip_ws(c);
-            if (c->p >= c->end)
-                return BAIL;
-            if (*c->p == close) {
-                c->p++;
-                return 0;
-            }
-            if (*c->p != ',')
-                return BAIL;
-            c->p++;
-            skip_ws(c);
+            next = after_item(c, close);
         }
+        return 0;
     }
     default:
         return scan_number(c, &n); /* NaN, Infinity, -Infinity: left to the slower reader */
@@ -461,30 +481,14 @@ static int unwrapped_value(cursor_t *c, field_t *f)
         f->count++;
         return list_item(c, f);
     }
-    if (c->p >= c->end || *c->p != '[')
-        return BAIL;
-    c->p++;
-    skip_ws(c);
-    if (c->p < c->end && *c->p == ']') {
-        c->p++;
-    } else {
-        for (;;) {
-            int status = list_item(c, f);
-            if (status)
-                return status;
-            f->count++;
-            skip_ws(c);
-            if (c->p >= c->end)
-                return BAIL;
-            if (*c->p == ']') {
-                c->p++;
-                break;
-            }
-            if (*c->p != ',')
-                return BAIL;
-            c->p++;
-            skip_ws(c);
-        }
+    for (int next = opened(c, '[', ']'); next != 1;) {
+        if (next < 0)
+            return next;
+        int status = list_item(c, f);
+        if (status)
+            return status;
+        f->count++;
+        next = after_item(c, ']');
     }
     int64_t at = (int64_t)f->count;
     return buf_push(&f->offsets, &at, sizeof at);
@@ -496,43 +500,27 @@ static int parse_line(cursor_t *c, field_t *fields, int nfields)
     for (int i = 0; i < nfields; i++)
         fields[i].seen = 0;
     skip_ws(c);
-    if (c->p >= c->end || *c->p != '{')
-        return BAIL; /* blank, or not an object */
-    c->p++;
-    skip_ws(c);
-    if (c->p < c->end && *c->p == '}') {
+    for (int next = opened(c, '{', '}'); next != 1;) { /* BAIL: blank, or not an object */
+        if (next < 0)
+            return next;
+        const unsigned char *key = c->p + 1;
+        int escaped;
+        if (c->p >= c->end || *c->p != '"' || scan_string(c, &escaped) || escaped)
+            return BAIL;
+        Py_ssize_t key_len = (c->p - 1) - key;
+        skip_ws(c);
+        if (c->p >= c->end || *c->p != ':')
+            return BAIL;
         c->p++;
-    } else {
-        for (;;) {
-            const unsigned char *key = c->p + 1;
-            int escaped;
-            if (c->p >= c->end || *c->p != '"' || scan_string(c, &escaped) || escaped)
-                return BAIL;
-            Py_ssize_t key_len = (c->p - 1) - key;
-            skip_ws(c);
-            if (c->p >= c->end || *c->p != ':')
-                return BAIL;
-            c->p++;
-            skip_ws(c);
-            field_t *f = NULL;
-            for (int i = 0; i < nfields; i++)
-                if (fields[i].name_len == key_len && !memcmp(fields[i].name, key, (size_t)key_len))
-                    f = &fields[i];
-            int status = f ? named_value(c, f) : skip_value(c, 0);
-            if (status)
-                return status;
-            skip_ws(c);
-            if (c->p >= c->end)
-                return BAIL;
-            if (*c->p == '}') {
-                c->p++;
-                break;
-            }
-            if (*c->p != ',')
-                return BAIL;
-            c->p++;
-            skip_ws(c);
-        }
+        skip_ws(c);
+        field_t *f = NULL;
+        for (int i = 0; i < nfields; i++)
+            if (fields[i].name_len == key_len && !memcmp(fields[i].name, key, (size_t)key_len))
+                f = &fields[i];
+        int status = f ? named_value(c, f) : skip_value(c, 0);
+        if (status)
+            return status;
+        next = after_item(c, '}');
     }
     skip_ws(c);
     if (c->p != c->end)
