@@ -432,7 +432,6 @@ def _nemo_fast(src: Path) -> bool:
 
 NEMO_NOT_COMPILED = {  # the fast cases the compiled reader leaves to pyarrow's
     "flat lists, scalars, string ids": "an idx string",
-    "non-finite and null log-probs": "NaN and Infinity",
 }
 NEMO_COMPILED_ONLY = ("the integer -0", "the integer -0 before a tab")  # json's 0.0, not -0.0
 

@@ -11,8 +11,8 @@
  *
  *   - every line is spaces or tabs, one JSON object, spaces or tabs; no blank line, no "\r";
  *   - every value is validated as ``json`` validates it, the fields not named too (strings:
- *     no control character, the escapes JSON has, UTF-8 as Python's strict decoder takes it);
- *     NaN, Infinity and -Infinity (which ``json`` takes) and keys with escapes are left to the
+ *     no control character, the escapes JSON has, UTF-8 as Python's strict decoder takes it;
+ *     NaN, Infinity and -Infinity, which ``json`` takes); keys with escapes are left to the
  *     slower reader, and so is a named field given twice (``json`` keeps the last);
  *   - every named field is on every line (a field of kind ABSENT on none), of its kind: an
  *     integer that fits int64 (INT, INT_LIST), true or false (BOOL_LIST), a number (FLOAT,
@@ -26,7 +26,8 @@
  *   - an integer of more than MAX_INT_DIGITS digits anywhere is left to the slower reader
  *     (``json``'s int() refuses more than sys.get_int_max_str_digits(), 640 at the least);
  *   - an integer in a float list is its value as a double (``-0`` is 0.0, as for ``json``,
- *     whose int 0 becomes 0.0); null in a float list is NaN; an infinite value is refused.
+ *     whose int 0 becomes 0.0); null in a float list is NaN; NaN, Infinity, -Infinity and
+ *     a number past a double's range are json's NaN, inf and -inf.
  *
  * The interpreter lock is released while a file is parsed, so files parse on every core.
  */
@@ -366,6 +367,26 @@ static int after_item(cursor_t *c, unsigned char close)
     return 0;
 }
 
+/* json's NaN, Infinity and -Infinity (float('nan'), inf, -inf) at c->p: 0 and the value, or 1
+ * (nothing consumed) where none of them is there. */
+static inline int constant(cursor_t *c, double *v)
+{
+    unsigned char ch = c->p < c->end ? *c->p : 0;
+    if (ch != 'N' && ch != 'I' && !(ch == '-' && c->p + 1 < c->end && c->p[1] == 'I'))
+        return 1;
+    if (literal(c, "NaN", 3) == 0) {
+        uint64_t bits = 0x7FF8000000000000ULL; /* float('nan'): the positive quiet NaN */
+        memcpy(v, &bits, sizeof bits);
+    } else if (literal(c, "Infinity", 8) == 0) {
+        *v = Py_HUGE_VAL;
+    } else if (literal(c, "-Infinity", 9) == 0) {
+        *v = -Py_HUGE_VAL;
+    } else {
+        return 1;
+    }
+    return 0;
+}
+
 /* Any JSON value at c->p, validated and skipped. */
 static int skip_value(cursor_t *c, int depth)
 {
@@ -374,6 +395,7 @@ static int skip_value(cursor_t *c, int depth)
     unsigned char ch = *c->p;
     int escaped;
     number_t n;
+    double constant_value;
     switch (ch) {
     case '"':
         return scan_string(c, &escaped);
@@ -405,7 +427,7 @@ static int skip_value(cursor_t *c, int depth)
         return 0;
     }
     default:
-        return scan_number(c, &n); /* NaN, Infinity, -Infinity: left to the slower reader */
+        return constant(c, &constant_value) == 0 ? 0 : scan_number(c, &n);
     }
 }
 
@@ -422,20 +444,20 @@ static inline int list_item(cursor_t *c, field_t *f)
     if (f->kind == K_FLOAT_LIST && c->p < c->end && *c->p == 'n') {
         if (literal(c, "null", 4))
             return BAIL;
-        double nan = Py_NAN;
-        return buf_push(&f->values, &nan, sizeof nan);
+        uint64_t bits = 0x7FF8000000000000ULL; /* NaN, as float_array reads None */
+        return buf_push(&f->values, &bits, sizeof bits);
     }
+    double d;
+    if (floats && constant(c, &d) == 0)
+        return buf_push(&f->values, &d, sizeof d);
     number_t n;
     if (scan_number(c, &n))
         return BAIL;
     if (floats) {
-        double v;
-        int status = to_double(c, &n, &v);
+        int status = to_double(c, &n, &d); /* past a double's range: inf, as for json */
         if (status)
             return status;
-        if (isinf(v))
-            return BAIL;
-        return buf_push(&f->values, &v, sizeof v);
+        return buf_push(&f->values, &d, sizeof d);
     }
     /* K_INT_LIST, K_INT: an integer that fits int64 (up to 18 digits) */
     if (!n.is_int || n.digits > 18)
