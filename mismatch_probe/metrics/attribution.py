@@ -49,6 +49,7 @@ from mismatch_probe.store import (
     open_parquet,
     resolve_tokens_path,
 )
+from mismatch_probe.store.arrays import numpy_of, valid_of
 
 ROLLOUT, TRAIN = "rollout_logprob", "train_logprob"
 RUNG_COLUMNS = tuple(f.name for f in RUNG_FIELDS)
@@ -140,8 +141,8 @@ def _rungs(table: pa.Table) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     for name in (ROLLOUT, TRAIN, *RUNG_COLUMNS):
         if name in table.column_names:
             col = table.column(name)
-            ok = ~pc.is_null(col).to_numpy(zero_copy_only=False).astype(bool)
-            values = pc.cast(pc.fill_null(col, 0.0), pa.float64()).to_numpy()
+            ok = valid_of(col)
+            values = numpy_of(pc.cast(col, pa.float64()), null=0.0)
             out[name] = (np.maximum(values, LOGPROB_FLOOR), ok)
     train, train_ok = out[TRAIN]
     if NO_REPLAY in out:

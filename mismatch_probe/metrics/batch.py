@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.store.arrays import numpy_of, valid_of
 
 LOGPROB_FLOOR = -9999.0
 SAFETY_BOUND = 20.0  # verl's B: exp of a log-ratio goes through clamp(x, -B, B)
@@ -110,11 +111,11 @@ def normalize_logprobs(
 def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """Values (nulls as NaN) and the not-null mask of a numeric column."""
     col = table.column(name)
-    valid = np.ones(len(col), dtype=bool) if col.null_count == 0 else ~pc.is_null(col).to_numpy()
+    valid = valid_of(col)
     if pa.types.is_floating(col.type):  # the store's float32: no Arrow cast, one numpy copy
-        return col.to_numpy(), valid
+        return numpy_of(col, null=np.nan), valid
     try:
-        values = pc.cast(col, pa.float64()).to_numpy()
+        values = numpy_of(pc.cast(col, pa.float64()), null=np.nan)
     except pa.ArrowInvalid as exc:
         raise ProbeError(f"column {name} does not hold numbers ({exc})") from None
     return values, valid
@@ -133,9 +134,9 @@ def int_column(table: pa.Table, name: str) -> np.ndarray:
     if col.null_count:
         raise ProbeError(f"column {name} holds nulls")
     if col.type in _FAST_INTS:  # every value fits int64: a numpy cast
-        return np.asarray(col.to_numpy(), dtype=np.int64)
+        return np.asarray(numpy_of(col), dtype=np.int64)
     try:
-        return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)
+        return np.asarray(numpy_of(pc.cast(col, pa.int64())), dtype=np.int64)
     except pa.ArrowInvalid as exc:  # e.g. a uint64 beyond int64
         raise ProbeError(f"column {name} does not hold int64 integers ({exc})") from None
 
@@ -143,9 +144,7 @@ def int_column(table: pa.Table, name: str) -> np.ndarray:
 def _bool_column(table: pa.Table, name: str) -> np.ndarray:
     """``[N]`` bool, nulls as False."""
     col = table.column(name)
-    if col.null_count:
-        col = pc.fill_null(col, False)
-    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=bool)
+    return np.asarray(numpy_of(col, null=False), dtype=bool)
 
 
 def batch_from_table(table: pa.Table) -> TokenBatch:

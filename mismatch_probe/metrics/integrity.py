@@ -58,7 +58,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from mismatch_probe.metrics.batch import (
     LOGPROB_FLOOR,
@@ -76,6 +75,7 @@ from mismatch_probe.store import (
     open_parquet,
     resolve_tokens_path,
 )
+from mismatch_probe.store.arrays import numpy_of, valid_of
 
 ERROR, WARNING = "error", "warning"
 CHECKS = (
@@ -539,14 +539,12 @@ def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
     valid = np.ones(table.num_rows, dtype=bool)
     for name in ("train_logprob", "rollout_logprob"):
         col = table.column(name)
-        if col.null_count:
-            valid &= ~pc.is_null(col).to_numpy(zero_copy_only=False)
-        values.append(np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float64))
+        valid &= valid_of(col)
+        values.append(np.asarray(numpy_of(col, null=np.nan), dtype=np.float64))
     seq, pos = (int_column(table, name) for name in ("seq_id", "position"))
     flip = np.zeros(table.num_rows, dtype=bool)
     if "support_flip" in table.column_names:
-        flips = pc.fill_null(table.column("support_flip"), False)
-        flip = np.asarray(flips.to_numpy(zero_copy_only=False), dtype=bool)
+        flip = np.asarray(numpy_of(table.column("support_flip"), null=False), dtype=bool)
     return seq, pos, values[0], values[1], valid, flip
 
 
@@ -579,13 +577,13 @@ def compute_integrity(
         whole.merge(batch)
         if not has_step:
             continue
-        steps = pc.fill_null(table.column(STEP_COLUMN), -1).to_numpy(zero_copy_only=False)
-        held = distinct_values(steps)
+        step_of_row = numpy_of(table.column(STEP_COLUMN), null=-1)
+        held = distinct_values(step_of_row)
         if len(held) == 1:  # the usual batch: one step's rows, the batch's own counts
             per_step.setdefault(int(held[0]), IntegrityAccumulator()).merge(batch)
             continue
         for step in held:
-            rows = steps == step
+            rows = step_of_row == step
             per_step.setdefault(int(step), IntegrityAccumulator()).update(
                 *(a[rows] for a in arrays)
             )

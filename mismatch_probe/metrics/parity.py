@@ -45,6 +45,7 @@ from mismatch_probe.metrics.batch import (
     valid,
 )
 from mismatch_probe.metrics.offpolicy import valid_k3_sum
+from mismatch_probe.store.arrays import numpy_of, valid_of
 
 DIFFERENT_ABS_LOG_RATIO = 1e-6  # TorchTitan's bitwise-parity threshold on |r|
 NEMO_MULT_PROB_ERROR_LIMIT = 1.05  # NeMo-RL docs, "Adding New Models", expected error threshold
@@ -193,9 +194,8 @@ def first_mismatch(tables: Iterable[pa.Table]) -> dict[str, Any] | None:
         sides = []
         for name in ("train_logprob", "rollout_logprob"):
             col = table.column(name)
-            if col.null_count:
-                valid &= ~pc.is_null(col).to_numpy(zero_copy_only=False)
-            x = pc.cast(col, pa.float32()).to_numpy(zero_copy_only=False)
+            valid &= valid_of(col)
+            x = numpy_of(pc.cast(col, pa.float32()), null=np.float32(np.nan))
             with np.errstate(invalid="ignore"):
                 sides.append(np.where(x < LOGPROB_FLOOR, np.float32(LOGPROB_FLOOR), x))
         rows = np.flatnonzero(valid & (sides[0] != sides[1]))

@@ -57,6 +57,7 @@ from mismatch_probe.store import (
     resolve_tokens_path,
     step_source,
 )
+from mismatch_probe.store.arrays import numpy_of
 
 OPTIONAL_COLUMNS = (
     "support_flip",
@@ -284,5 +285,4 @@ def _turn_array(table: pa.Table) -> np.ndarray | None:
     """``[N]`` int64 turn of each row (nulls as 0), or None without a ``turn`` column."""
     if TURN_COLUMN not in table.column_names:
         return None
-    col = pc.fill_null(table.column(TURN_COLUMN), 0)
-    return np.asarray(pc.cast(col, pa.int64()).to_numpy(), dtype=np.int64)
+    return np.asarray(numpy_of(pc.cast(table.column(TURN_COLUMN), pa.int64()), null=0))

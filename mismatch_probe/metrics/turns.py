@@ -44,6 +44,7 @@ from mismatch_probe.metrics.batch import (
 from mismatch_probe.metrics.offpolicy import valid_k3_sum
 from mismatch_probe.metrics.parity import batch_mult
 from mismatch_probe.store import SEQUENCES_DIR, SEQUENCES_FILE, TOKENS_DIR, TOKENS_FILE
+from mismatch_probe.store.arrays import numpy_of
 from mismatch_probe.store.dataset import part_files
 
 TURN_COLUMN = "turn"
@@ -187,9 +188,9 @@ def rerender_scalars(tokens: Path, setting: str | None) -> dict[str, float]:
     table = table.filter(pc.is_valid(table.column("rerender_differs")))
     if table.num_rows == 0:
         return {}
-    differs = table.column("rerender_differs").to_numpy(zero_copy_only=False).astype(bool)
-    bad = table.column("rerender_mismatched_tokens").to_numpy().astype(np.float64)
-    total = table.column("response_length").to_numpy().astype(np.float64)
+    differs = numpy_of(table.column("rerender_differs")).astype(bool)
+    bad = numpy_of(table.column("rerender_mismatched_tokens")).astype(np.float64)
+    total = numpy_of(table.column("response_length")).astype(np.float64)
     return {
         "rerender_trajectory_fraction": float(differs.mean()),
         "rerender_token_fraction": float(bad.sum() / total.sum()) if total.sum() else 0.0,

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.store.arrays import numpy_of
 from mismatch_probe.store.dataset import part_files
 
 SCHEMA_VERSION = "1"
@@ -496,7 +497,7 @@ def _sequence_aligned_chunks(table: pa.Table, target: int) -> Iterator[tuple[int
     if n == 0:
         yield 0, 0
         return
-    seq = table.column("seq_id").to_numpy()
+    seq = numpy_of(table.column("seq_id"))
     start = 0
     while start < n:
         stop = min(start + target, n)
@@ -643,7 +644,7 @@ def iter_sequence_batches(
             if held is None:
                 held = group
                 continue
-            seq = held.column("seq_id").to_numpy()
+            seq = numpy_of(held.column("seq_id"))
             if seq[-1] != group.column("seq_id")[0].as_py():  # held ends on a whole sequence
                 _check_contiguous(seq, seen, path)
                 yield held
@@ -655,7 +656,7 @@ def iter_sequence_batches(
                 yield held.slice(0, tail_start)
             held = pa.concat_tables([held.slice(tail_start), group])
         if held is not None:
-            _check_contiguous(held.column("seq_id").to_numpy(), seen, path)
+            _check_contiguous(numpy_of(held.column("seq_id")), seen, path)
             yield held
     except (pa.ArrowException, OSError) as exc:
         raise ProbeError(f"{path} is corrupt ({exc})") from None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -229,7 +230,8 @@ def _probe_metrics(path: str, workers: int | None) -> dict[str, Any]:
     exact = json.dumps(result.to_json_dict(), sort_keys=True, default=str)
     flat = result.flat()
     return {"wall_s": wall, "peak_rss_mb": _peak_mb(), "exact": exact,
-            "five": {k: flat[k] for k in FIVE}}  # fmt: skip
+            "five": {k: flat[k] for k in FIVE},
+            "pandas_imported": "pandas" in sys.modules}  # fmt: skip
 
 
 def _duckdb_five(path: str) -> dict[str, Any]:
@@ -366,7 +368,8 @@ def bench_metrics_duckdb() -> dict[str, Any]:
     probe, duck, serial, untuned, shared = (
         _best(tries, n) for n in ("probe", "duckdb", "probe_1_worker", "untuned", "two_at_once")
     )
-    out["probe_all_metrics"] = {"wall_s": probe["wall_s"], "peak_rss_mb": probe["peak_rss_mb"]}
+    out["probe_all_metrics"] = {"wall_s": probe["wall_s"], "peak_rss_mb": probe["peak_rss_mb"],
+                                "pandas_imported": probe["pandas_imported"]}  # fmt: skip
     out["probe_1_worker"] = {"wall_s": serial["wall_s"], "peak_rss_mb": serial["peak_rss_mb"]}
     out["duckdb_five_metrics"] = {"wall_s": duck["wall_s"], "peak_rss_mb": duck["peak_rss_mb"]}
     out["ratio_probe_over_duckdb"] = probe["wall_s"] / duck["wall_s"]

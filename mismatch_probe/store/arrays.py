@@ -1,0 +1,83 @@
+"""Arrow columns as numpy arrays, read from their buffers.
+
+pyarrow's own conversions (``to_numpy``, ``np.asarray`` of an Arrow array, ``pa.array`` of
+numpy values, ``pa.scalar``, a compute call given a Python scalar) import pandas the first
+time one runs in a process: a fixed cost of a fresh ``probe metrics`` or ``probe ingest`` that
+no stage needs (whether it was paid is recorded in ``make bench``'s metrics row,
+``pandas_imported``). The stages on the store's path call these helpers instead; values and
+dtypes are those ``to_numpy`` gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+_NUMPY: dict[pa.DataType, type[np.generic]] = {
+    pa.int8(): np.int8,
+    pa.int16(): np.int16,
+    pa.int32(): np.int32,
+    pa.int64(): np.int64,
+    pa.uint8(): np.uint8,
+    pa.uint16(): np.uint16,
+    pa.uint32(): np.uint32,
+    pa.uint64(): np.uint64,
+    pa.float16(): np.float16,
+    pa.float32(): np.float32,
+    pa.float64(): np.float64,
+    pa.bool_(): np.bool_,
+}
+
+
+def numpy_of(values: pa.Array | pa.ChunkedArray, null: Any = None) -> np.ndarray:
+    """A numeric or boolean column as numpy, its nulls as ``null`` (a value of the column's
+    dtype); without nulls, a view of the buffer where Arrow's layout is numpy's (read-only, as
+    ``to_numpy``'s). Any other column, or nulls with ``null=None``, goes to pyarrow's
+    ``to_numpy(zero_copy_only=False)``."""
+    if isinstance(values, pa.ChunkedArray):
+        parts = [numpy_of(chunk, null) for chunk in values.chunks]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else _empty(values.type)
+    dtype = _NUMPY.get(values.type)
+    if dtype is None or (values.null_count and null is None):
+        return values.to_numpy(zero_copy_only=False)
+    if len(values) == 0:
+        return _empty(values.type)
+    data = _data(values, dtype)
+    if not values.null_count:
+        return data
+    return np.where(valid_of(values), data, np.asarray(null, dtype=dtype))
+
+
+def valid_of(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """``[N]`` bool: the values that are not null."""
+    if isinstance(values, pa.ChunkedArray):
+        parts = [valid_of(chunk) for chunk in values.chunks]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+    if values.null_count == 0:
+        return np.ones(len(values), dtype=bool)
+    return _bits(values.buffers()[0], values.offset, len(values))
+
+
+def _data(values: pa.Array, dtype: type[np.generic]) -> np.ndarray:
+    buffer = values.buffers()[1]
+    if dtype is np.bool_:
+        return _bits(buffer, values.offset, len(values))
+    size = np.dtype(dtype).itemsize
+    return np.frombuffer(buffer, dtype, len(values), values.offset * size)
+
+
+def _bits(buffer: pa.Buffer, offset: int, length: int) -> np.ndarray:
+    """``length`` bits of an Arrow bitmap (least significant bit first) from bit ``offset``."""
+    bytes_ = np.frombuffer(buffer, dtype=np.uint8)
+    return np.unpackbits(bytes_, count=offset + length, bitorder="little")[offset:].view(bool)
+
+
+def _empty(kind: pa.DataType) -> np.ndarray:
+    dtype = _NUMPY.get(kind)
+    return np.zeros(0, dtype=dtype) if dtype is not None else pa.array([], kind).to_numpy()
