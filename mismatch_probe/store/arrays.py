@@ -2,10 +2,10 @@
 
 pyarrow's own conversions (``to_numpy``, ``np.asarray`` of an Arrow array, ``pa.array`` of
 numpy values, ``pa.scalar``, a compute call given a Python scalar) import pandas the first
-time one runs in a process: a fixed cost of a fresh ``probe metrics`` or ``probe ingest`` that
-no stage needs (whether it was paid is recorded in ``make bench``'s metrics row,
-``pandas_imported``). The stages on the store's path call these helpers instead; values and
-dtypes are those ``to_numpy`` gives.
+time one runs in a process: a fixed cost of every fresh ``probe metrics`` or ``probe ingest``
+that no stage needs (``make bench metrics_duckdb`` records whether it was paid,
+``pandas_imported``; ``tests/test_store_arrays.py`` checks that it is not). The stages on
+the store's path call these helpers instead; values and dtypes are those ``to_numpy`` gives.
 """
 
 from __future__ import annotations
