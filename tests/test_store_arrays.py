@@ -31,7 +31,7 @@ def _fill(kind: pa.DataType) -> object:
 
 @pytest.mark.parametrize("kind", KINDS, ids=str)
 @pytest.mark.parametrize("nulls", [False, True])
-@pytest.mark.parametrize("window", [(0, 37), (5, 20), (11, 0), (0, 0)])
+@pytest.mark.parametrize("window", [(0, 37), (5, 20), (13, 20), (17, 3), (11, 0), (0, 0)])
 def test_same_as_to_numpy(kind: pa.DataType, nulls: bool, window: tuple[int, int]) -> None:
     whole = _values(kind, 37, nulls)
     values = whole.slice(*window)  # an offset into the buffers, not a multiple of 8

@@ -285,4 +285,4 @@ def _turn_array(table: pa.Table) -> np.ndarray | None:
     """``[N]`` int64 turn of each row (nulls as 0), or None without a ``turn`` column."""
     if TURN_COLUMN not in table.column_names:
         return None
-    return np.asarray(numpy_of(pc.cast(table.column(TURN_COLUMN), pa.int64()), null=0))
+    return numpy_of(pc.cast(table.column(TURN_COLUMN), pa.int64()), null=0)

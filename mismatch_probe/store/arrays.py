@@ -73,9 +73,12 @@ def _data(values: pa.Array, dtype: type[np.generic]) -> np.ndarray:
 
 
 def _bits(buffer: pa.Buffer, offset: int, length: int) -> np.ndarray:
-    """``length`` bits of an Arrow bitmap (least significant bit first) from bit ``offset``."""
-    bytes_ = np.frombuffer(buffer, dtype=np.uint8)
-    return np.unpackbits(bytes_, count=offset + length, bitorder="little")[offset:].view(bool)
+    """``length`` bits of an Arrow bitmap (least significant bit first) from bit ``offset``:
+    only the bytes that hold them are unpacked (a slice deep into a column costs its length)."""
+    skip, first = divmod(offset, 8)
+    held = (first + length + 7) // 8
+    bytes_ = np.frombuffer(buffer, dtype=np.uint8, count=held, offset=skip)
+    return np.unpackbits(bytes_, count=first + length, bitorder="little")[first:].view(bool)
 
 
 def _empty(kind: pa.DataType) -> np.ndarray:
