@@ -9,12 +9,15 @@
  *     guess made with the same arithmetic (compiled with ``-ffp-contract=off``: no fused
  *     multiply-add);
  *   - a bin's sum adds its values in row order, one IEEE addition at a time, as
- *     ``np.bincount(idx, weights=w)`` does; counts are integers.
+ *     ``np.bincount(idx, weights=w)`` does; counts are integers;
+ *   - a value compared with a threshold is the value numpy compares (``|x - c|`` by the same
+ *     two IEEE operations), and a largest or smallest value is the same whatever the order.
  *
  * The interpreter lock is released during each loop, so batches compute on every core.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 
 /* A read buffer of ``n`` items of ``size`` bytes (n < 0: any length, set from the buffer). */
@@ -67,28 +70,41 @@ static void curves_loop(Py_ssize_t n, const double *restrict r, const double *re
     const double top2 = (double)(z.nb2 - 1), nb2 = (double)z.nb2;
     double *restrict s0 = sums, *restrict s1 = sums + z.ncell, *restrict s2 = sums + 2 * z.ncell,
                      *restrict s3 = sums + 3 * z.ncell;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const double x = r[i], p = pr[i];
-        const Py_ssize_t slot = corrected(x, x * z.hscale + z.hoffset, z.htop, z.hbounds);
-        double gx = p * nb2, gy = ptr[i] * nb2;
-        gx = gx > 0.0 ? (gx < top2 ? gx : top2) : 0.0;
-        gy = gy > 0.0 ? (gy < top2 ? gy : top2) : 0.0;
-        const Py_ssize_t cell2 = (Py_ssize_t)gx * z.nb2 + (Py_ssize_t)gy;
-        const int64_t q = pos[i] > 0 ? (pos[i] < z.pos_last ? pos[i] : z.pos_last) : 0;
-        double g = p * z.ptop;
-        g = g > 0.0 ? (g < z.ptop ? g : z.ptop) : 0.0;
-        Py_ssize_t b = (Py_ssize_t)z.prob_guess[(Py_ssize_t)g];
-        b -= p < z.pbounds[b];
-        b += p >= z.pbounds[b + 1];
-        const Py_ssize_t c = (Py_ssize_t)z.pos_table[q] * z.nprob + b;
-        const double v0 = x, v1 = abs_r[i], v2 = k3[i], v3 = dp[i];
-        hist[slot] += 1;
-        hist2d[cell2] += 1;
-        count[c] += 1;
-        s0[c] += v0;
-        s1[c] += v1;
-        s2[c] += v2;
-        s3[c] += v3;
+    /* A block's bins first, then its additions: the tables' addresses are known before the
+     * adds, so a run of rows in one bin (most rows of one sequence) is a chain of additions,
+     * not a stall on each address. The adds keep their row order. */
+    enum { CB = 1024 };
+    Py_ssize_t slot[CB], cell2[CB], cell[CB];
+    for (Py_ssize_t start = 0; start < n; start += CB) {
+        const Py_ssize_t m = n - start < CB ? n - start : CB;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            const Py_ssize_t i = start + j;
+            const double x = r[i], p = pr[i];
+            slot[j] = corrected(x, x * z.hscale + z.hoffset, z.htop, z.hbounds);
+            double gx = p * nb2, gy = ptr[i] * nb2;
+            gx = gx > 0.0 ? (gx < top2 ? gx : top2) : 0.0;
+            gy = gy > 0.0 ? (gy < top2 ? gy : top2) : 0.0;
+            cell2[j] = (Py_ssize_t)gx * z.nb2 + (Py_ssize_t)gy;
+            const int64_t q = pos[i] > 0 ? (pos[i] < z.pos_last ? pos[i] : z.pos_last) : 0;
+            double g = p * z.ptop;
+            g = g > 0.0 ? (g < z.ptop ? g : z.ptop) : 0.0;
+            Py_ssize_t b = (Py_ssize_t)z.prob_guess[(Py_ssize_t)g];
+            b -= p < z.pbounds[b];
+            b += p >= z.pbounds[b + 1];
+            cell[j] = (Py_ssize_t)z.pos_table[q] * z.nprob + b;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            hist[slot[j]] += 1;
+            hist2d[cell2[j]] += 1;
+            count[cell[j]] += 1;
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            const Py_ssize_t i = start + j, c = cell[j];
+            s0[c] += r[i];
+            s1[c] += abs_r[i];
+            s2[c] += k3[i];
+            s3[c] += dp[i];
+        }
     }
 }
 
@@ -156,11 +172,351 @@ done:
     return result;
 }
 
+/* The counts and extremes of one array (see ``thresholds``), a block of rows at a time: each
+ * threshold's count is one vectorisable loop over a block held in the first-level cache. */
+enum { BLOCK = 2048 };
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void thresholds_loop(Py_ssize_t n, const double *restrict x, double center,
+                            const double *restrict above, Py_ssize_t na,
+                            const double *restrict below, Py_ssize_t nb, int64_t *restrict n_above,
+                            int64_t *restrict n_below, double *hi, double *lo)
+{
+    /* eight lanes per extreme and count: each lane's compares are in row order, the lanes
+     * combined at the end (the extremes do not depend on the order) */
+    double v[BLOCK], top[8], bottom[8];
+    for (int l = 0; l < 8; l++)
+        top[l] = -INFINITY, bottom[l] = INFINITY;
+    const int centered = !isnan(center);
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        const Py_ssize_t m = n - start < BLOCK ? n - start : BLOCK;
+        const Py_ssize_t m8 = m - m % 8;
+        if (centered)
+            for (Py_ssize_t i = 0; i < m; i++)
+                v[i] = fabs(x[start + i] - center);
+        else
+            for (Py_ssize_t i = 0; i < m; i++)
+                v[i] = x[start + i];
+        for (Py_ssize_t i = m; i < m8 + 8 && i < BLOCK; i++) /* the last lanes' padding */
+            v[i] = v[m - 1];
+        const Py_ssize_t mv = m8 < m ? m8 + 8 : m8; /* whole groups of 8, the last padded */
+        for (Py_ssize_t i = 0; i < mv; i += 8)
+            for (int l = 0; l < 8; l++) {
+                top[l] = v[i + l] > top[l] ? v[i + l] : top[l];
+                bottom[l] = v[i + l] < bottom[l] ? v[i + l] : bottom[l];
+            }
+        for (Py_ssize_t k = 0; k < na; k++) {
+            const double t = above[k];
+            int64_t c[8] = {0};
+            for (Py_ssize_t i = 0; i < m8; i += 8)
+                for (int l = 0; l < 8; l++)
+                    c[l] += v[i + l] > t;
+            for (Py_ssize_t i = m8; i < m; i++)
+                c[0] += v[i] > t;
+            n_above[k] += c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+        }
+        for (Py_ssize_t k = 0; k < nb; k++) {
+            const double t = below[k];
+            int64_t c[8] = {0};
+            for (Py_ssize_t i = 0; i < m8; i += 8)
+                for (int l = 0; l < 8; l++)
+                    c[l] += v[i + l] < t;
+            for (Py_ssize_t i = m8; i < m; i++)
+                c[0] += v[i] < t;
+            n_below[k] += c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+        }
+    }
+    *hi = top[0], *lo = bottom[0];
+    for (int l = 1; l < 8; l++) {
+        *hi = top[l] > *hi ? top[l] : *hi;
+        *lo = bottom[l] < *lo ? bottom[l] : *lo;
+    }
+}
+
+/* thresholds(x, center, above, below, n_above, n_below) -> (max, min)
+ *
+ * For the values v = x (center NaN) or v = |x - center| of the float64 array x (no NaN):
+ * n_above[k] += count(v > above[k]), n_below[k] += count(v < below[k]) (int64 outputs, one per
+ * threshold), and the largest and smallest v (-inf and inf for no value): the counts of
+ * ``np.count_nonzero(v > t)`` and ``v.max()``, ``v.min()``, in one pass. */
+static PyObject *thresholds(PyObject *self, PyObject *args)
+{
+    Py_buffer x, ab, be, na, nb;
+    double center, hi = -INFINITY, lo = INFINITY;
+    x.obj = ab.obj = be.obj = na.obj = nb.obj = NULL;
+    if (!PyArg_ParseTuple(args, "y*dy*y*w*w*", &x, &center, &ab, &be, &na, &nb))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = -1, nab = -1, nbe = -1;
+    if (take(&x, &n, 8, "x") < 0 || take(&ab, &nab, 8, "above") < 0 ||
+        take(&be, &nbe, 8, "below") < 0 || take(&na, &nab, 8, "n_above") < 0 ||
+        take(&nb, &nbe, 8, "n_below") < 0)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    thresholds_loop(n, x.buf, center, ab.buf, nab, be.buf, nbe, na.buf, nb.buf, &hi, &lo);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("dd", hi, lo);
+done:
+    Py_buffer *all[5] = {&x, &ab, &be, &na, &nb};
+    for (int k = 0; k < 5; k++)
+        if (all[k]->obj)
+            PyBuffer_Release(all[k]);
+    return result;
+}
+
+/* --- numpy's summation order -------------------------------------------------------------
+ *
+ * ``x.sum()`` of a contiguous float64 array is ``0.0 + pairwise(x)`` and ``np.add.reduceat``
+ * gives a segment ``x[a] + pairwise(x[a + 1 : b])``, where pairwise is numpy's
+ * (``loops_utils.h``): fewer than 8 values added in order from 0.0; up to 128 values in 8
+ * interleaved accumulators, combined ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), the rest
+ * added in order; more, split in two at half rounded down to a multiple of 8. The sums below
+ * follow that tree exactly, for several quantities at once: a ``Fill`` computes a leaf's rows
+ * (at most 128) of each quantity into a scratch block, and the tree adds them up. */
+enum { PW_BLOCK = 128, PW_MAX = 8 };
+
+typedef void (*Fill)(const void *ctx, Py_ssize_t lo, Py_ssize_t n, double (*v)[PW_BLOCK]);
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void pw_leaf(int k, const double (*v)[PW_BLOCK], Py_ssize_t n, double *out)
+{
+    for (int q = 0; q < k; q++) {
+        const double *x = v[q];
+        double res = 0.0;
+        Py_ssize_t i = 0;
+        if (n >= 8) {
+            double r[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = x[j];
+            for (i = 8; i < n - (n % 8); i += 8)
+                for (int j = 0; j < 8; j++)
+                    r[j] += x[i + j];
+            res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        }
+        for (; i < n; i++)
+            res += x[i];
+        out[q] = res;
+    }
+}
+
+/* pairwise(rows lo .. lo + n - 1) of each of the k quantities ``fill`` computes. */
+static void pw_sum(int k, Fill fill, const void *ctx, Py_ssize_t lo, Py_ssize_t n, double *out)
+{
+    if (n <= PW_BLOCK) {
+        double v[PW_MAX][PW_BLOCK];
+        fill(ctx, lo, n, v);
+        pw_leaf(k, (const double (*)[PW_BLOCK])v, n, out);
+        return;
+    }
+    Py_ssize_t n2 = n / 2;
+    n2 -= n2 % 8;
+    double a[PW_MAX], b[PW_MAX];
+    pw_sum(k, fill, ctx, lo, n2, a);
+    pw_sum(k, fill, ctx, lo + n2, n - n2, b);
+    for (int q = 0; q < k; q++)
+        out[q] = a[q] + b[q];
+}
+
+/* ``x.sum()`` of each quantity over rows 0 .. n - 1. */
+static void np_sum(int k, Fill fill, const void *ctx, Py_ssize_t n, double *out)
+{
+    double part[PW_MAX];
+    pw_sum(k, fill, ctx, 0, n, part);
+    for (int q = 0; q < k; q++)
+        out[q] = 0.0 + part[q];
+}
+
+/* ``np.add.reduceat(x, starts)`` of each quantity: seg[q * ns + s] for segment s (rows
+ * starts[s] .. starts[s + 1] - 1, the last to n - 1; none empty). */
+static void np_reduceat(int k, Fill fill, const void *ctx, const int64_t *starts, Py_ssize_t ns,
+                        Py_ssize_t n, double *seg)
+{
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        const Py_ssize_t a = starts[s], b = s + 1 < ns ? starts[s + 1] : n;
+        double first[PW_MAX][PW_BLOCK], rest[PW_MAX];
+        fill(ctx, a, 1, first);
+        if (b - a > 1)
+            pw_sum(k, fill, ctx, a + 1, b - a - 1, rest);
+        for (int q = 0; q < k; q++)
+            seg[q * ns + s] = b - a > 1 ? first[q][0] + rest[q] : first[q][0];
+    }
+}
+
+/* --- importance-sampling weights ------------------------------------------------------ */
+
+/* One IS spec on a batch: the raw weight of row i is raw[i] (token level) or raw[seg[i]]
+ * (sequence level: raw per sequence), 0 where the row is padding (valid[i] == 0; valid NULL:
+ * no padding); the weight is min(raw, upper) (TIS: lower NaN) or raw inside [lower, upper],
+ * else 0 (IcePop), as ``weights.truncate`` computes them. */
+typedef struct {
+    const double *raw;
+    const int64_t *seg; /* NULL: token level */
+    const uint8_t *valid;
+    double upper, lower, low; /* low: the lower bound of the counts (lower, or 1 / upper) */
+    int icepop;
+} Weights;
+
+/* The raw weights of rows lo .. lo + n - 1 into x, their weights into w (the loop specialised
+ * on the spec's kind, each a plain pass the compiler vectorises). */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void weights_of(const Weights *c, Py_ssize_t lo, Py_ssize_t n, double *restrict x,
+                       double *restrict w)
+{
+    const double *restrict raw = c->raw;
+    const double upper = c->upper, lower = c->lower;
+    if (c->seg) {
+        const int64_t *restrict seg = c->seg + lo;
+        for (Py_ssize_t i = 0; i < n; i++)
+            x[i] = raw[seg[i]];
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            x[i] = raw[lo + i];
+    }
+    if (c->valid) {
+        const uint8_t *restrict valid = c->valid + lo;
+        for (Py_ssize_t i = 0; i < n; i++)
+            x[i] = valid[i] ? x[i] : 0.0;
+    }
+    if (c->icepop) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            w[i] = x[i] >= lower && x[i] <= upper ? x[i] : 0.0;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) /* np.minimum: x unless x > upper (no NaN here) */
+            w[i] = x[i] > upper ? upper : x[i];
+    }
+}
+
+/* w and w * w (the sums over every row) */
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void fill_w(const void *ctx, Py_ssize_t lo, Py_ssize_t n, double (*v)[PW_BLOCK])
+{
+    double x[PW_BLOCK];
+    weights_of(ctx, lo, n, x, v[0]);
+    for (Py_ssize_t i = 0; i < n; i++)
+        v[1][i] = v[0][i] * v[0][i];
+}
+
+/* What the IS metrics count of the valid rows of a block (see ``is_stats``). */
+typedef struct {
+    double hi[4], lo[4]; /* the extremes of w, in four lanes */
+    int64_t above, below, zeros;
+} Tally;
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void tally(const Weights *c, Py_ssize_t lo, Py_ssize_t n, const double *x,
+                  const double *w, Tally *t)
+{
+    const uint8_t *valid = c->valid ? c->valid + lo : NULL;
+    const double upper = c->upper, low = c->low;
+    int64_t above = 0, below = 0, zeros = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (valid && !valid[i])
+            continue;
+        const int lane = (int)(i & 3);
+        t->hi[lane] = w[i] > t->hi[lane] ? w[i] : t->hi[lane];
+        t->lo[lane] = w[i] < t->lo[lane] ? w[i] : t->lo[lane];
+        above += x[i] > upper;
+        below += x[i] < low;
+        zeros += w[i] == 0.0;
+    }
+    t->above += above;
+    t->below += below;
+    t->zeros += zeros;
+}
+
+/* w, w * w and the raw weight (the sums over each sequence), tallied on the way (each row is
+ * filled once in a reduceat) */
+typedef struct {
+    Weights w;
+    Tally t;
+} WeightsTally;
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void fill_w_raw(const void *ctx, Py_ssize_t lo, Py_ssize_t n, double (*v)[PW_BLOCK])
+{
+    WeightsTally *c = (WeightsTally *)ctx;
+    weights_of(&c->w, lo, n, v[2], v[0]);
+    for (Py_ssize_t i = 0; i < n; i++)
+        v[1][i] = v[0][i] * v[0][i];
+    tally(&c->w, lo, n, v[2], v[0], &c->t);
+}
+
+/* is_stats(raw, seg, valid, upper, lower, starts, seg_sums, seg_zeros) ->
+ *     (sum_w, sum_w2, w_max, w_min, n_raw_above_upper, n_raw_below_low)
+ *
+ * raw: float64 [N] (seg empty) or [S] (seg: int64 [N], each row's sequence); valid: bool [N]
+ * or empty (no padding); lower: NaN for TIS; starts: int64 [S]. Fills seg_sums (float64
+ * [3 * S]: each sequence's sum of w, of w * w and of the raw weight, as ``np.add.reduceat``)
+ * and seg_zeros (float64 [S]: valid rows of weight 0). Returns ``w.sum()``, ``(w * w).sum()``,
+ * the extremes of w over the valid rows (-inf, inf for none), and the valid rows whose raw weight
+ * is above upper and below ``low`` (lower, or 1 / upper for TIS). */
+static PyObject *is_stats(PyObject *self, PyObject *args)
+{
+    Py_buffer raw, seg, val, st, out, zeros;
+    double upper, lower;
+    raw.obj = seg.obj = val.obj = st.obj = out.obj = zeros.obj = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*ddy*w*w*", &raw, &seg, &val, &upper, &lower, &st, &out,
+                          &zeros))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t nraw = -1, nseg = -1, nval = -1, ns = -1, nout = -1, nz = -1;
+    if (take(&raw, &nraw, 8, "raw") < 0 || take(&seg, &nseg, 8, "seg") < 0 ||
+        take(&val, &nval, 1, "valid") < 0 || take(&st, &ns, 8, "starts") < 0 ||
+        take(&out, &nout, 8, "seg_sums") < 0 || take(&zeros, &nz, 8, "seg_zeros") < 0)
+        goto done;
+    const Py_ssize_t n = nseg > 0 ? nseg : nraw;
+    if (nout != 3 * ns || nz != ns || (nval && nval != n) || (n && ns < 1)) {
+        PyErr_SetString(PyExc_ValueError, "_kernels.is_stats: sizes do not match");
+        goto done;
+    }
+    WeightsTally c = {
+        .w = {.raw = raw.buf, .seg = nseg > 0 ? seg.buf : NULL, .valid = nval ? val.buf : NULL,
+              .upper = upper, .lower = lower, .low = isnan(lower) ? 1.0 / upper : lower,
+              .icepop = !isnan(lower)},
+        .t = {.hi = {-INFINITY, -INFINITY, -INFINITY, -INFINITY},
+              .lo = {INFINITY, INFINITY, INFINITY, INFINITY}}};
+    double sums[2] = {0.0, 0.0}, *z = zeros.buf, *segs = out.buf;
+    const int64_t *starts = st.buf;
+    const Py_ssize_t nseq = n ? ns : 0;
+    Py_BEGIN_ALLOW_THREADS
+    np_sum(2, fill_w, &c.w, n, sums);
+    for (Py_ssize_t s = 0; s < nseq; s++) { /* np.add.reduceat, one sequence at a time */
+        const Py_ssize_t a = starts[s], b = s + 1 < nseq ? starts[s + 1] : n;
+        const int64_t zeros_before = c.t.zeros;
+        double first[PW_MAX][PW_BLOCK], rest[PW_MAX];
+        fill_w_raw(&c, a, 1, first);
+        if (b - a > 1)
+            pw_sum(3, fill_w_raw, &c, a + 1, b - a - 1, rest);
+        for (int q = 0; q < 3; q++)
+            segs[q * ns + s] = b - a > 1 ? first[q][0] + rest[q] : first[q][0];
+        z[s] = (double)(c.t.zeros - zeros_before);
+    }
+    Py_END_ALLOW_THREADS
+    double hi = c.t.hi[0], lo = c.t.lo[0];
+    for (int k = 1; k < 4; k++) {
+        hi = c.t.hi[k] > hi ? c.t.hi[k] : hi;
+        lo = c.t.lo[k] < lo ? c.t.lo[k] : lo;
+    }
+    result = Py_BuildValue("ddddLL", sums[0], sums[1], hi, lo, (long long)c.t.above,
+                           (long long)c.t.below);
+done:
+    Py_buffer *all[6] = {&raw, &seg, &val, &st, &out, &zeros};
+    for (int k = 0; k < 6; k++)
+        if (all[k]->obj)
+            PyBuffer_Release(all[k]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"curves", curves, METH_VARARGS,
      "curves(r, abs_r, k3, dp, p_rollout, p_train, position, hist_bounds, hist_scale, "
      "hist_offset, pos_table, prob_guess, prob_bounds, hist2d_bins, hist, hist2d, cell_count, "
      "cell_sums) -> None"},
+    {"thresholds", thresholds, METH_VARARGS,
+     "thresholds(x, center, above, below, n_above, n_below) -> (max, min)"},
+    {"is_stats", is_stats, METH_VARARGS,
+     "is_stats(raw, seg, valid, upper, lower, starts, seg_sums, seg_zeros) -> (sum_w, sum_w2, "
+     "w_max, w_min, n_high, n_low)"},
     {NULL, NULL, 0, NULL},
 };
 

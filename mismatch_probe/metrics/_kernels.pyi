@@ -22,3 +22,16 @@ def curves(
     cell_count: Any,
     cell_sums: Any,
 ) -> None: ...
+def thresholds(
+    x: Any, center: float, above: Any, below: Any, n_above: Any, n_below: Any
+) -> tuple[float, float]: ...
+def is_stats(
+    raw: Any,
+    seg: Any,
+    valid: Any,
+    upper: float,
+    lower: float,
+    starts: Any,
+    seg_sums: Any,
+    seg_zeros: Any,
+) -> tuple[float, float, float, float, int, int]: ...

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from mismatch_probe.metrics.batch import EPS, TokenBatch
+from mismatch_probe.metrics.compiled import loops
 
 FLOAT_MAX = sys.float_info.max  # an overflowing metric is reported as this, and flagged
 DEGENERATE_VAR = 1e-20  # a per-item variance below this counts as zero (constant list)
@@ -70,6 +73,43 @@ def uniform_slots(x: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
     guess -= x < bounds.take(guess)
     guess += x >= bounds[1:].take(guess)  # bounds[guess + 1]
     return np.bincount(guess, minlength=bins + 3)  # slot bins + 2: +inf (never a finite x)
+
+
+_FEW_THRESHOLDS = 3
+
+
+class Thresholded(NamedTuple):
+    """What ``thresholds`` counts of an array: ``above[k]`` values ``> above_t[k]``,
+    ``below[k]`` values ``< below_t[k]``, and the largest and smallest value."""
+
+    above: np.ndarray  # int64, one per threshold
+    below: np.ndarray
+    max: float  # -inf for no value
+    min: float  # inf for no value
+
+
+def thresholds(x: np.ndarray, above: Sequence[float] = (), below: Sequence[float] = (),
+               center: float | None = None, compiled: bool = True) -> Thresholded:  # fmt: skip
+    """Counts of ``v > t`` for each ``t`` of ``above`` and ``v < t`` for each of ``below``, with
+    ``v = x`` (no NaN) or ``v = |x - center|``, and ``v``'s extremes: one compiled pass
+    (``_kernels.thresholds``) where the package has it and ``compiled``, else numpy's compares
+    (the same counts and extremes: each compares the same values)."""
+    n_above, n_below = np.zeros(len(above), np.int64), np.zeros(len(below), np.int64)
+    # the compiled pass pays from a few thresholds or a center on; numpy's passes are as fast
+    few = center is None and len(above) + len(below) < _FEW_THRESHOLDS
+    kernels = loops(compiled and not few)
+    if kernels is not None:
+        x = np.ascontiguousarray(x, dtype=np.float64)
+        hi, lo = kernels.thresholds(x, math.nan if center is None else center,
+                                    np.asarray(above, np.float64), np.asarray(below, np.float64),
+                                    n_above, n_below)  # fmt: skip
+        return Thresholded(n_above, n_below, hi, lo)
+    v = x if center is None else np.abs(x - center)
+    n_above[:] = [np.count_nonzero(v > t) for t in above]
+    n_below[:] = [np.count_nonzero(v < t) for t in below]
+    if not len(v):
+        return Thresholded(n_above, n_below, -math.inf, math.inf)
+    return Thresholded(n_above, n_below, float(v.max()), float(v.min()))
 
 
 def products(dx: np.ndarray, dy: np.ndarray) -> tuple[float, float, float]:

@@ -359,9 +359,9 @@ def positions_ascending(b: TokenBatch, _: None = None) -> bool:
     order), so a sequence's first row by position is its first row."""
     if len(b.position) < 2:
         return True
-    inside = np.ones(len(b.position) - 1, dtype=bool)
-    inside[b.starts[1:] - 1] = False
-    return bool(np.all(np.diff(b.position)[inside] >= 0))
+    ok = b.position[1:] >= b.position[:-1]
+    ok[b.starts[1:] - 1] = True  # a sequence's first row may start lower than the one before
+    return bool(ok.all())
 
 
 def first_rows(b: TokenBatch, rows: np.ndarray) -> np.ndarray:
@@ -380,6 +380,15 @@ def first_valid_rows(b: TokenBatch, _: None = None) -> np.ndarray:
         first[b.starts[b.n > 0]] = True
         return first
     return _first_rows(b, b.m)
+
+
+@per_batch
+def first_valid_index(b: TokenBatch, _: None = None) -> np.ndarray:
+    """``np.flatnonzero(first_valid_rows(b))``: the rows of each valid sequence's first valid
+    token, ascending (each sequence's first row where every row is valid and in order)."""
+    if b.all_valid and positions_ascending(b, None):
+        return b.starts[b.n > 0]
+    return np.flatnonzero(first_valid_rows(b, None))
 
 
 def _first_rows(b: TokenBatch, rows: np.ndarray) -> np.ndarray:

@@ -38,9 +38,10 @@ from mismatch_probe.metrics.batch import (
     abs_r,
     clamped_k3,
     probs,
+    seg_max,
     valid,
 )
-from mismatch_probe.metrics.compiled import kernels
+from mismatch_probe.metrics.compiled import loops
 
 LOG_RATIO_RANGE = (-3.0, 3.0)
 LOG_RATIO_BINS = 121
@@ -178,7 +179,7 @@ class CurvesAccumulator:
         self._update_line(b)
 
     def _update_worst(self, b: TokenBatch) -> None:
-        rows = np.flatnonzero(b.m)
+        rows = _worst_candidates(b)
         abs_lr = abs_r(b, None)[rows]
         if len(rows) > WORST_TOKENS:  # keep every row tied with the k-th largest |r|
             kth = np.partition(abs_lr, len(rows) - WORST_TOKENS)[len(rows) - WORST_TOKENS]
@@ -262,7 +263,8 @@ def token_tables(t: TokenColumns, compiled: bool = True) -> TokenTables:
     tokens ``t``: one compiled pass (``_kernels.curves``) where the package has it and
     ``compiled``, else the numpy calls (the same bits: bins by the same comparisons, sums in
     row order as ``bincount`` adds them)."""
-    if kernels is None or not compiled:
+    kernels = loops(compiled)
+    if kernels is None:
         return _token_tables_numpy(t)
     slots = np.zeros(LOG_RATIO_BINS + 3, dtype=np.int64)
     hist2d = np.zeros((PROB_HIST_BINS, PROB_HIST_BINS), dtype=np.int64)
@@ -288,6 +290,21 @@ def _token_tables_numpy(t: TokenColumns) -> TokenTables:
         tokens=np.bincount(cell, minlength=size).reshape(_CROSSED),
         sums=sums,
     )
+
+
+def _worst_candidates(b: TokenBatch) -> np.ndarray:
+    """The valid rows that can be among the batch's ``WORST_TOKENS`` of largest ``|r|`` (every
+    row tied with the last of them included): those at or above the ``WORST_TOKENS``-th largest
+    of the sequences' largest ``|r|``. At least ``WORST_TOKENS`` valid rows reach that value
+    (one in each of those sequences), so the ``WORST_TOKENS``-th largest ``|r|`` of the batch is
+    no smaller, and a partial sort of the few candidates finds what one of every row would."""
+    abs_lr = abs_r(b, None)
+    seq_max = seg_max(b, abs_lr)[b.n > 0]
+    if len(seq_max) <= WORST_TOKENS:
+        return np.flatnonzero(b.m)
+    floor = np.partition(seq_max, len(seq_max) - WORST_TOKENS)[len(seq_max) - WORST_TOKENS]
+    reach = abs_lr >= floor
+    return np.flatnonzero(reach if b.all_valid else reach & b.m)
 
 
 Sample = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]

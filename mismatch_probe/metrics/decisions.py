@@ -35,7 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import Counts, merge_sums, mmean, uniform_hist
+from mismatch_probe.metrics.accum import (
+    Counts,
+    Thresholded,
+    merge_sums,
+    mmean,
+    thresholds,
+    uniform_hist,
+)
 from mismatch_probe.metrics.batch import (
     EPS,
     TokenBatch,
@@ -79,17 +86,33 @@ def _seq_mean_k3(b: TokenBatch, _: None = None) -> np.ndarray:
     return seg_mean(b, token_k3(b, None))
 
 
-def _token_counts(
-    b: TokenBatch, hit: Callable[[np.ndarray, float], np.ndarray], thresholds: tuple[float, ...]
-) -> tuple[list[int], list[int]]:
-    """Token-level family: masked tokens per threshold, and sequences holding one (from the
-    per-sequence max / min of rho: a sequence holds a masked token iff its extreme is)."""
+@per_batch
+def _rho_counts(b: TokenBatch, ratios: tuple[float, ...]) -> Thresholded:
+    """Valid tokens with ``rho > C`` and with ``rho < 1 / C``, for each ratio ``C`` (one pass
+    for both token families)."""
+    return thresholds(valid(b, clamped_rho(b, None)), ratios, [1.0 / c for c in ratios])
+
+
+@per_batch
+def _rho_extremes(b: TokenBatch, _: None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``[S_b]`` each sequence's largest and smallest ``rho``."""
     rho = clamped_rho(b, None)
-    on_valid, seqs = valid(b, rho), b.n > 0
-    hi, lo = seg_max(b, rho), seg_min(b, rho)
-    tokens = [count(hit(on_valid, t)) for t in thresholds]
-    sequences = [count(seqs & (hit(hi, t) | hit(lo, t))) for t in thresholds]
-    return tokens, sequences  # fmt: skip
+    return seg_max(b, rho), seg_min(b, rho)
+
+
+def _token_counts(
+    b: TokenBatch,
+    hit: Callable[[np.ndarray, float], np.ndarray],
+    masked: Callable[[Thresholded], np.ndarray],
+    ratios: tuple[float, ...],
+) -> tuple[list[int], list[int]]:
+    """Token-level family: masked tokens per threshold (``masked`` of ``_rho_counts``), and
+    sequences holding one (from the per-sequence max / min of rho: a sequence holds a masked
+    token iff its extreme is)."""
+    seqs = b.n > 0
+    hi, lo = _rho_extremes(b, None)
+    sequences = [count(seqs & (hit(hi, t) | hit(lo, t))) for t in ratios]
+    return masked(_rho_counts(b, ratios)).tolist(), sequences
 
 
 def _seq_counts(
@@ -103,10 +126,16 @@ def _seq_counts(
 Counter = Callable[[TokenBatch, tuple[float, ...]], tuple[list[int], list[int]]]
 # family -> (thresholds, counts(batch, thresholds) -> (masked tokens, masked sequences)).
 FAMILIES: dict[str, tuple[tuple[float, ...], Counter]] = {
-    "token_tis": (RATIO_THRESHOLDS, lambda b, ts: _token_counts(b, lambda x, c: x > c, ts)),
+    "token_tis": (
+        RATIO_THRESHOLDS,
+        lambda b, ts: _token_counts(b, lambda x, c: x > c, lambda t: t.above, ts),
+    ),
+    # every ratio exceeds 1, so rho > C and rho < 1 / C never hold together: counts add up
     "token_icepop": (
         RATIO_THRESHOLDS,
-        lambda b, ts: _token_counts(b, lambda x, c: (x > c) | (x < 1.0 / c), ts),
+        lambda b, ts: _token_counts(
+            b, lambda x, c: (x > c) | (x < 1.0 / c), lambda t: t.above + t.below, ts
+        ),
     ),
     "seq_is": (RATIO_THRESHOLDS, lambda b, ts: _seq_counts(b, _seq_weight(b, None), ts)),
     "seq_mean_k3": (K3_THRESHOLDS, lambda b, ts: _seq_counts(b, _seq_mean_k3(b, None), ts)),
@@ -125,11 +154,10 @@ class DecisionAccumulator:
         self.under = self.over = 0
 
     def update(self, b: TokenBatch) -> None:
-        dev = np.abs(valid(b, clamped_rho(b, None)) - 1.0)
-        self.n_clip += [count(dev > eps) for eps in CLIP_EPS]
+        self.n_clip += thresholds(valid(b, clamped_rho(b, None)), CLIP_EPS, center=1.0).above
         tokens, seqs = [], []
-        for thresholds, counter in FAMILIES.values():
-            t, q = counter(b, thresholds)
+        for family_thresholds, counter in FAMILIES.values():
+            t, q = counter(b, family_thresholds)
             tokens += t
             seqs += q
         self.n_tok += tokens

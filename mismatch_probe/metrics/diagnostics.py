@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from mismatch_probe.metrics.accum import CoMoments, Counts, merge_extremes, merge_sums, mmean
+from mismatch_probe.metrics.accum import (
+    CoMoments,
+    Counts,
+    merge_extremes,
+    merge_sums,
+    mmean,
+    thresholds,
+)
 from mismatch_probe.metrics.batch import (
     TokenBatch,
     abs_prob_diff,
@@ -33,7 +40,7 @@ from mismatch_probe.metrics.batch import (
     valid,
     within_bound,
 )
-from mismatch_probe.metrics.parity import batch_mult
+from mismatch_probe.metrics.parity import abs_r_stats, batch_mult
 
 SPEC_TAUS = (1.01, 1.1, 1.5, 2.0, 5.0, 10.0)
 TAU_GRID = (1.001, 1.003, 1.01, 1.03, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 100.0)
@@ -82,9 +89,10 @@ class DiagnosticsAccumulator:
         dp, abs_lr = valid(b, dp_all), valid(b, abs_r(b, None))
         self.sum_abs_r += float(abs_lr.sum())
         self.sum_dp += float(dp.sum())
+        dp_counts = thresholds(dp, IPO_EPS)
         if len(dp):
-            self.max_abs_r = max(self.max_abs_r, float(abs_lr.max()))
-            self.max_dp = max(self.max_dp, float(dp.max()))
+            self.max_abs_r = max(self.max_abs_r, abs_r_stats(b, None).max)
+            self.max_dp = max(self.max_dp, dp_counts.max)
         seq_dp = seg_max(b, dp_all)
         self.sum_seq_dp_max += float(seq_dp.sum())
         self.n_seq_dp_high += count(seq_dp > SEQ_DP_LIMIT)
@@ -92,8 +100,8 @@ class DiagnosticsAccumulator:
         self.probs.add(valid(b, p_train), valid(b, p_rollout))
         # exp(min(|r|, 700)) is NeMo-RL's exp(clampB(|r|)) when no |r| exceeds B: the same array
         spread = valid(b, batch_mult(b, None)) if within_bound(b, None) else spread_of_abs(abs_lr)
-        self.n_tau += [count(spread > tau) for tau in TAU_GRID]
-        self.n_ipo += [count(dp > eps) for eps in IPO_EPS]
+        self.n_tau += thresholds(spread, TAU_GRID).above
+        self.n_ipo += dp_counts.above
         if self.has_flip and b.flip is not None:
             k3 = valid(b, clamped_k3(b, None))
             flip = valid(b, b.flip)

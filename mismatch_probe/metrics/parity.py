@@ -30,7 +30,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mismatch_probe.metrics.accum import Counts, Moments, capped, merge_sums, mmean
+from mismatch_probe.metrics.accum import (
+    Counts,
+    Moments,
+    Thresholded,
+    capped,
+    merge_sums,
+    mmean,
+    thresholds,
+)
 from mismatch_probe.metrics.batch import (
     LOGPROB_FLOOR,
     TokenBatch,
@@ -38,6 +46,7 @@ from mismatch_probe.metrics.batch import (
     batch_k3,
     clamp_b,
     count,
+    first_valid_index,
     first_valid_rows,
     k3_terms,
     per_batch,
@@ -68,6 +77,13 @@ def batch_mult(b: TokenBatch, _: None = None) -> np.ndarray:
     return mult_prob_error(b.r)
 
 
+@per_batch
+def abs_r_stats(b: TokenBatch, _: None = None) -> Thresholded:
+    """The valid tokens' ``|r|``: how many exceed ``DIFFERENT_ABS_LOG_RATIO``, and the largest
+    (one pass; the diagnostics share the largest)."""
+    return thresholds(valid(b, abs_r(b, None)), (DIFFERENT_ABS_LOG_RATIO,))
+
+
 class ParityAccumulator:
     """Streams the section-6 measures."""
 
@@ -85,13 +101,14 @@ class ParityAccumulator:
         self.sum_mult += float(valid(b, mult).sum())
         self.sum_k3_rev += float(k3_terms(-r).sum())
         self.n_identical += count(valid(b, b.train) == valid(b, b.rollout))
-        self.n_different += count(valid(b, abs_lr) > DIFFERENT_ABS_LOG_RATIO)
+        self.n_different += int(abs_r_stats(b, None).above[0])
         self.seq_mult.add(seg_mean(b, mult)[b.n > 0])
-        first = first_token_rows(b)
-        rest = m & ~first
+        first = first_valid_index(b, None)
         self.first_sum += float(abs_lr[first].sum())
+        self.first_n += len(first)
+        rest = m.copy()
+        rest[first] = False
         self.rest_sum += float(abs_lr[rest].sum())
-        self.first_n += count(first)
         self.rest_n += count(rest)
 
     def merge(self, other: ParityAccumulator) -> None:

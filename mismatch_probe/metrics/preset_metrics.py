@@ -18,11 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from mismatch_probe.metrics.accum import Counts, eff_sample_size, merge_sums, mmean
-from mismatch_probe.metrics.batch import TokenBatch, count, per_batch, seg_sum, valid_float
+from mismatch_probe.metrics.batch import TokenBatch, count, per_batch, valid_float
 from mismatch_probe.metrics.config import ISSpec, PresetSpec
 from mismatch_probe.metrics.presets import PRESET_PREFIX
 from mismatch_probe.metrics.rejection import dropped_seqs, rs_keep, rs_seq_keep
-from mismatch_probe.metrics.weights import is_weights, weight_sums
+from mismatch_probe.metrics.weights import is_stats, is_weights, weight_sums
 
 
 def effective_weights(b: TokenBatch, preset: PresetSpec) -> np.ndarray:
@@ -37,10 +37,8 @@ def _seq_weights(b: TokenBatch, spec: ISSpec | None) -> tuple[np.ndarray, ...]:
     weight is 0 (IcePop's); ``w = 1`` per valid token without IS."""
     if spec is None:
         return b.n, b.n, np.zeros(b.num_seqs)
-    w = is_weights(b, spec)[1]
-    zero = (w == 0.0) & b.m
-    zeros = seg_sum(b, zero.astype(np.float64)) if zero.any() else np.zeros(b.num_seqs)
-    return seg_sum(b, w), seg_sum(b, w * w), zeros
+    stats = is_stats(b, spec)
+    return stats.seg_w, stats.seg_w2, stats.seg_zeros
 
 
 class PresetAccumulator:

@@ -39,6 +39,7 @@ from mismatch_probe.metrics.batch import (
     count,
     distinct_values,
     first_rows,
+    first_valid_index,
     valid,
 )
 from mismatch_probe.metrics.offpolicy import valid_k3_sum
@@ -86,9 +87,10 @@ class TurnAccumulator:
                 sums["abs_r"] += float(abs_lr[on_valid].sum())
                 sums["mult"] += float(mult[on_valid].sum())
             sums["tokens"] += float(count(on_valid))
-            first = first_rows(b, on_valid)
+            # each sequence's first valid row: as indices where every row is of this turn
+            first = first_valid_index(b, None) if rows is None else first_rows(b, on_valid)
             sums["first_abs"] += float(abs_lr[first].sum())
-            sums["first_n"] += float(count(first))
+            sums["first_n"] += float(len(first) if rows is None else count(first))
             everyone = b.all_valid and rows is None  # a turn's first row is its first valid row
             start = first if everyone else first_rows(b, _all_rows(b) if rows is None else rows)
             self.starts.setdefault(int(t), []).append((b.seq_id[b.seg[start]], b.position[start]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,9 +32,10 @@ from mismatch_probe.metrics.batch import (
     clamped_rho,
     count,
     per_batch,
-    seg_mean,
+    seg_sum,
     valid,
 )
+from mismatch_probe.metrics.compiled import loops
 from mismatch_probe.metrics.config import ISSpec
 
 # level -> the [N] weight ``exp(clampB(log-weight))`` of every row (before masking).
@@ -64,12 +66,68 @@ def is_weights(b: TokenBatch, spec: ISSpec) -> tuple[np.ndarray, np.ndarray]:
     return raw, truncate(raw, spec)
 
 
+class ISStats(NamedTuple):
+    """What the IS metrics and the presets need of one spec's weights on a batch (``w`` the
+    truncated weight, ``raw`` the untruncated one, both 0 at padding)."""
+
+    sum_w: float  # w.sum()
+    sum_w2: float  # (w * w).sum()
+    seg_w: np.ndarray  # [S_b] seg_sum(w)
+    seg_w2: np.ndarray  # [S_b] seg_sum(w * w)
+    seg_raw: np.ndarray  # [S_b] seg_sum(raw)
+    seg_zeros: np.ndarray  # [S_b] float64: valid rows of weight 0 (IcePop's)
+    w_max: float  # over the valid rows (-inf for none)
+    w_min: float  # (inf for none)
+    n_high: int  # valid rows with raw > U
+    n_low: int  # valid rows with raw < spec.low
+
+
 @per_batch
+def is_stats(b: TokenBatch, spec: ISSpec) -> ISStats:
+    """``ISStats`` of a batch: one compiled pass (``_kernels.is_stats``, the sums in numpy's
+    order) where the package has it, else ``is_stats_numpy`` (the same bits)."""
+    kernels = loops()
+    if kernels is None:
+        return is_stats_numpy(b, spec)
+    token = spec.level == "token"
+    raw = clamped_rho(b, None) if token else np.exp(clamp_b(b.s))
+    seg_sums, zeros = np.zeros(3 * b.num_seqs), np.zeros(b.num_seqs)
+    lower = math.nan if spec.lower is None else spec.lower
+    seg = _EMPTY_INT if token else b.seg
+    mask = _EMPTY_BOOL if b.all_valid else b.m
+    sums = kernels.is_stats(raw, seg, mask, spec.upper, lower, b.starts, seg_sums, zeros)
+    w_sum, w_seg, raw_seg = seg_sums.reshape(3, b.num_seqs)
+    return ISStats(sums[0], sums[1], w_sum, w_seg, raw_seg, zeros, *sums[2:])
+
+
+_EMPTY_INT, _EMPTY_BOOL = np.zeros(0, np.int64), np.zeros(0, bool)
+
+
+def is_stats_numpy(b: TokenBatch, spec: ISSpec) -> ISStats:
+    """``ISStats`` by numpy's calls on the ``is_weights`` arrays."""
+    raw, w = is_weights(b, spec)
+    zero = (w == 0.0) & b.m
+    zeros = seg_sum(b, zero.astype(np.float64)) if zero.any() else np.zeros(b.num_seqs)
+    on_valid, raw_valid = valid(b, w), valid(b, raw)
+    return ISStats(
+        sum_w=float(w.sum()),
+        sum_w2=float((w * w).sum()),
+        seg_w=seg_sum(b, w),
+        seg_w2=seg_sum(b, w * w),
+        seg_raw=seg_sum(b, raw),
+        seg_zeros=zeros,
+        w_max=float(on_valid.max()) if len(on_valid) else -math.inf,
+        w_min=float(on_valid.min()) if len(on_valid) else math.inf,
+        n_high=count(raw_valid > spec.upper),
+        n_low=count(raw_valid < spec.low),
+    )
+
+
 def weight_sums(b: TokenBatch, spec: ISSpec) -> tuple[float, float]:
     """``(sum w, sum w^2)`` over the batch (padding is 0): shared by the IS metrics and the
     presets of the same spec."""
-    w = is_weights(b, spec)[1]
-    return float(w.sum()), float((w * w).sum())
+    stats = is_stats(b, spec)
+    return stats.sum_w, stats.sum_w2
 
 
 class ISAccumulator:
@@ -89,23 +147,18 @@ class ISAccumulator:
         self.q_valid_sum = 0.0  # sum of q_i over valid sequences (batch norm, sequence level)
 
     def update(self, b: TokenBatch) -> None:
-        spec, m = self.spec, b.m
-        raw, w = is_weights(b, spec)
-        sum_w, sum_w2 = weight_sums(b, spec)
-        self.sum_w += sum_w
-        self.sum_w2 += sum_w2
-        if m.any():
-            on_valid = valid(b, w)
-            self.w_max = max(self.w_max, float(on_valid.max()))
-            self.w_min = min(self.w_min, float(on_valid.min()))
-        raw_valid = valid(b, raw)
-        self.n_high += count(raw_valid > spec.upper)
-        self.n_low += count(raw_valid < spec.low)
+        spec, stats = self.spec, is_stats(b, self.spec)
+        self.sum_w += stats.sum_w
+        self.sum_w2 += stats.sum_w2
+        self.w_max = max(self.w_max, stats.w_max)
+        self.w_min = min(self.w_min, stats.w_min)
+        self.n_high += stats.n_high
+        self.n_low += stats.n_low
         s = b.s
         self.s_max, self.s_min = max(self.s_max, s.max()), min(self.s_min, s.min())
         self.n_s_high += count(s > math.log(spec.upper))
         self.n_s_low += count(s < math.log(spec.low))
-        q, q_raw = seg_mean(b, w), seg_mean(b, raw)
+        q, q_raw = stats.seg_w / (b.n + EPS), stats.seg_raw / (b.n + EPS)  # seg_mean's
         self.q.add(q)
         self.q_dev = max(self.q_dev, float(np.abs(q - 1.0).max()))
         self.n_q_high += count(q_raw > spec.upper)
