@@ -270,75 +270,48 @@ done:
  * gives a segment ``x[a] + pairwise(x[a + 1 : b])``, where pairwise is numpy's
  * (``loops_utils.h``): fewer than 8 values added in order from 0.0; up to 128 values in 8
  * interleaved accumulators, combined ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), the rest
- * added in order; more, split in two at half rounded down to a multiple of 8. The sums below
- * follow that tree exactly, for several quantities at once: a ``Fill`` computes a leaf's rows
- * (at most 128) of each quantity into a scratch block, and the tree adds them up. */
-enum { PW_BLOCK = 128, PW_MAX = 8 };
-
-typedef void (*Fill)(const void *ctx, Py_ssize_t lo, Py_ssize_t n, double (*v)[PW_BLOCK]);
+ * added in order; more, split in two at half rounded down to a multiple of 8. ``pairwise``
+ * follows that tree exactly. */
+enum { PW_BLOCK = 128 };
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
-static void pw_leaf(int k, const double (*v)[PW_BLOCK], Py_ssize_t n, double *out)
+static double pairwise(const double *restrict x, Py_ssize_t n)
 {
-    for (int q = 0; q < k; q++) {
-        const double *x = v[q];
+    if (n < 8) {
         double res = 0.0;
-        Py_ssize_t i = 0;
-        if (n >= 8) {
-            double r[8];
+        for (Py_ssize_t i = 0; i < n; i++)
+            res += x[i];
+        return res;
+    }
+    if (n <= PW_BLOCK) {
+        double r[8];
+        for (int j = 0; j < 8; j++)
+            r[j] = x[j];
+        Py_ssize_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
             for (int j = 0; j < 8; j++)
-                r[j] = x[j];
-            for (i = 8; i < n - (n % 8); i += 8)
-                for (int j = 0; j < 8; j++)
-                    r[j] += x[i + j];
-            res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        }
+                r[j] += x[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
         for (; i < n; i++)
             res += x[i];
-        out[q] = res;
-    }
-}
-
-/* pairwise(rows lo .. lo + n - 1) of each of the k quantities ``fill`` computes. */
-static void pw_sum(int k, Fill fill, const void *ctx, Py_ssize_t lo, Py_ssize_t n, double *out)
-{
-    if (n <= PW_BLOCK) {
-        double v[PW_MAX][PW_BLOCK];
-        fill(ctx, lo, n, v);
-        pw_leaf(k, (const double (*)[PW_BLOCK])v, n, out);
-        return;
+        return res;
     }
     Py_ssize_t n2 = n / 2;
     n2 -= n2 % 8;
-    double a[PW_MAX], b[PW_MAX];
-    pw_sum(k, fill, ctx, lo, n2, a);
-    pw_sum(k, fill, ctx, lo + n2, n - n2, b);
-    for (int q = 0; q < k; q++)
-        out[q] = a[q] + b[q];
+    return pairwise(x, n2) + pairwise(x + n2, n - n2);
 }
 
-/* ``x.sum()`` of each quantity over rows 0 .. n - 1. */
-static void np_sum(int k, Fill fill, const void *ctx, Py_ssize_t n, double *out)
-{
-    double part[PW_MAX];
-    pw_sum(k, fill, ctx, 0, n, part);
-    for (int q = 0; q < k; q++)
-        out[q] = 0.0 + part[q];
-}
+/* ``x.sum()`` */
+static double np_sum(const double *x, Py_ssize_t n) { return 0.0 + pairwise(x, n); }
 
-/* ``np.add.reduceat(x, starts)`` of each quantity: seg[q * ns + s] for segment s (rows
- * starts[s] .. starts[s + 1] - 1, the last to n - 1; none empty). */
-static void np_reduceat(int k, Fill fill, const void *ctx, const int64_t *starts, Py_ssize_t ns,
-                        Py_ssize_t n, double *seg)
+/* ``np.add.reduceat(x, starts)`` into seg (segment s: rows starts[s] .. starts[s + 1] - 1, the
+ * last to n - 1; none empty). */
+static void np_reduceat(const double *x, const int64_t *starts, Py_ssize_t ns, Py_ssize_t n,
+                        double *seg)
 {
     for (Py_ssize_t s = 0; s < ns; s++) {
         const Py_ssize_t a = starts[s], b = s + 1 < ns ? starts[s + 1] : n;
-        double first[PW_MAX][PW_BLOCK], rest[PW_MAX];
-        fill(ctx, a, 1, first);
-        if (b - a > 1)
-            pw_sum(k, fill, ctx, a + 1, b - a - 1, rest);
-        for (int q = 0; q < k; q++)
-            seg[q * ns + s] = b - a > 1 ? first[q][0] + rest[q] : first[q][0];
+        seg[s] = b - a > 1 ? x[a] + pairwise(x + a + 1, b - a - 1) : x[a];
     }
 }
 
@@ -347,98 +320,104 @@ static void np_reduceat(int k, Fill fill, const void *ctx, const int64_t *starts
 /* One IS spec on a batch: the raw weight of row i is raw[i] (token level) or raw[seg[i]]
  * (sequence level: raw per sequence), 0 where the row is padding (valid[i] == 0; valid NULL:
  * no padding); the weight is min(raw, upper) (TIS: lower NaN) or raw inside [lower, upper],
- * else 0 (IcePop), as ``weights.truncate`` computes them. */
-typedef struct {
-    const double *raw;
-    const int64_t *seg; /* NULL: token level */
-    const uint8_t *valid;
-    double upper, lower, low; /* low: the lower bound of the counts (lower, or 1 / upper) */
-    int icepop;
-} Weights;
-
-/* The raw weights of rows lo .. lo + n - 1 into x, their weights into w (the loop specialised
- * on the spec's kind, each a plain pass the compiler vectorises). */
+ * else 0 (IcePop), as ``weights.truncate`` computes them. Fills x (raw), w and w2 (w * w) for
+ * the n rows (x: the raw weights themselves at token level without padding, else xbuf), each a
+ * plain pass the compiler vectorises. */
 __attribute__((target_clones("avx512f", "avx2", "default")))
-static void weights_of(const Weights *c, Py_ssize_t lo, Py_ssize_t n, double *restrict x,
-                       double *restrict w)
+static const double *weights_of(const double *restrict raw, const int64_t *restrict seg,
+                                const uint8_t *restrict valid, double upper, double lower,
+                                Py_ssize_t n, double *restrict xbuf, double *restrict w,
+                                double *restrict w2)
 {
-    const double *restrict raw = c->raw;
-    const double upper = c->upper, lower = c->lower;
-    if (c->seg) {
-        const int64_t *restrict seg = c->seg + lo;
-        for (Py_ssize_t i = 0; i < n; i++)
-            x[i] = raw[seg[i]];
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++)
-            x[i] = raw[lo + i];
+    const double *x = raw; /* token level without padding: the raw weights as they are */
+    if (seg || valid) {
+        if (seg)
+            for (Py_ssize_t i = 0; i < n; i++)
+                xbuf[i] = raw[seg[i]];
+        else
+            for (Py_ssize_t i = 0; i < n; i++)
+                xbuf[i] = raw[i];
+        if (valid)
+            for (Py_ssize_t i = 0; i < n; i++)
+                xbuf[i] = valid[i] ? xbuf[i] : 0.0;
+        x = xbuf;
     }
-    if (c->valid) {
-        const uint8_t *restrict valid = c->valid + lo;
+    if (isnan(lower)) /* np.minimum: x unless x > upper (no NaN here) */
         for (Py_ssize_t i = 0; i < n; i++)
-            x[i] = valid[i] ? x[i] : 0.0;
-    }
-    if (c->icepop) {
+            w[i] = x[i] > upper ? upper : x[i];
+    else
         for (Py_ssize_t i = 0; i < n; i++)
             w[i] = x[i] >= lower && x[i] <= upper ? x[i] : 0.0;
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) /* np.minimum: x unless x > upper (no NaN here) */
-            w[i] = x[i] > upper ? upper : x[i];
-    }
-}
-
-/* w and w * w (the sums over every row) */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void fill_w(const void *ctx, Py_ssize_t lo, Py_ssize_t n, double (*v)[PW_BLOCK])
-{
-    double x[PW_BLOCK];
-    weights_of(ctx, lo, n, x, v[0]);
     for (Py_ssize_t i = 0; i < n; i++)
-        v[1][i] = v[0][i] * v[0][i];
+        w2[i] = w[i] * w[i];
+    return x;
 }
 
-/* What the IS metrics count of the valid rows of a block (see ``is_stats``). */
+/* What the IS metrics count of the valid rows (valid NULL: every row): the extremes of w, the
+ * raw weights above upper and below low, and per sequence the rows of weight 0 (as floats). */
 typedef struct {
-    double hi[4], lo[4]; /* the extremes of w, in four lanes */
-    int64_t above, below, zeros;
+    double hi, lo;
+    int64_t above, below;
 } Tally;
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
-static void tally(const Weights *c, Py_ssize_t lo, Py_ssize_t n, const double *x,
-                  const double *w, Tally *t)
+static void tally(const double *restrict x, const double *restrict w,
+                  const uint8_t *restrict valid, double upper, double low,
+                  const int64_t *restrict starts, Py_ssize_t ns, Py_ssize_t n,
+                  double *restrict zeros, Tally *t)
 {
-    const uint8_t *valid = c->valid ? c->valid + lo : NULL;
-    const double upper = c->upper, low = c->low;
-    int64_t above = 0, below = 0, zeros = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (valid && !valid[i])
-            continue;
-        const int lane = (int)(i & 3);
-        t->hi[lane] = w[i] > t->hi[lane] ? w[i] : t->hi[lane];
-        t->lo[lane] = w[i] < t->lo[lane] ? w[i] : t->lo[lane];
-        above += x[i] > upper;
-        below += x[i] < low;
-        zeros += w[i] == 0.0;
+    /* eight lanes (row i in lane i % 8 of its group of eight) for the extremes and counts:
+     * independent chains the compiler turns into vector operations */
+    double hi[8], lo[8];
+    int64_t above[8] = {0}, below[8] = {0};
+    for (int l = 0; l < 8; l++)
+        hi[l] = -INFINITY, lo[l] = INFINITY;
+    const Py_ssize_t n8 = n - n % 8;
+    if (!valid) {
+        for (Py_ssize_t i = 0; i < n8; i += 8)
+            for (int l = 0; l < 8; l++) {
+                const double wi = w[i + l], xi = x[i + l];
+                hi[l] = wi > hi[l] ? wi : hi[l];
+                lo[l] = wi < lo[l] ? wi : lo[l];
+                above[l] += xi > upper;
+                below[l] += xi < low;
+            }
+        for (Py_ssize_t i = n8; i < n; i++) {
+            hi[0] = w[i] > hi[0] ? w[i] : hi[0];
+            lo[0] = w[i] < lo[0] ? w[i] : lo[0];
+            above[0] += x[i] > upper;
+            below[0] += x[i] < low;
+        }
+        for (Py_ssize_t s = 0; s < ns; s++) {
+            const Py_ssize_t a = starts[s], b = s + 1 < ns ? starts[s + 1] : n;
+            int64_t z = 0;
+            for (Py_ssize_t i = a; i < b; i++)
+                z += w[i] == 0.0;
+            zeros[s] = (double)z;
+        }
+    } else {
+        for (Py_ssize_t s = 0; s < ns; s++) {
+            const Py_ssize_t a = starts[s], b = s + 1 < ns ? starts[s + 1] : n;
+            int64_t z = 0;
+            for (Py_ssize_t i = a; i < b; i++) {
+                if (!valid[i])
+                    continue;
+                hi[0] = w[i] > hi[0] ? w[i] : hi[0];
+                lo[0] = w[i] < lo[0] ? w[i] : lo[0];
+                above[0] += x[i] > upper;
+                below[0] += x[i] < low;
+                z += w[i] == 0.0;
+            }
+            zeros[s] = (double)z;
+        }
     }
-    t->above += above;
-    t->below += below;
-    t->zeros += zeros;
-}
-
-/* w, w * w and the raw weight (the sums over each sequence), tallied on the way (each row is
- * filled once in a reduceat) */
-typedef struct {
-    Weights w;
-    Tally t;
-} WeightsTally;
-
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void fill_w_raw(const void *ctx, Py_ssize_t lo, Py_ssize_t n, double (*v)[PW_BLOCK])
-{
-    WeightsTally *c = (WeightsTally *)ctx;
-    weights_of(&c->w, lo, n, v[2], v[0]);
-    for (Py_ssize_t i = 0; i < n; i++)
-        v[1][i] = v[0][i] * v[0][i];
-    tally(&c->w, lo, n, v[2], v[0], &c->t);
+    t->hi = hi[0], t->lo = lo[0], t->above = above[0], t->below = below[0];
+    for (int l = 1; l < 8; l++) {
+        t->hi = hi[l] > t->hi ? hi[l] : t->hi;
+        t->lo = lo[l] < t->lo ? lo[l] : t->lo;
+        t->above += above[l];
+        t->below += below[l];
+    }
 }
 
 /* is_stats(raw, seg, valid, upper, lower, starts, seg_sums, seg_zeros) ->
@@ -459,47 +438,41 @@ static PyObject *is_stats(PyObject *self, PyObject *args)
                           &zeros))
         return NULL;
     PyObject *result = NULL;
+    double *scratch = NULL;
     Py_ssize_t nraw = -1, nseg = -1, nval = -1, ns = -1, nout = -1, nz = -1;
     if (take(&raw, &nraw, 8, "raw") < 0 || take(&seg, &nseg, 8, "seg") < 0 ||
         take(&val, &nval, 1, "valid") < 0 || take(&st, &ns, 8, "starts") < 0 ||
         take(&out, &nout, 8, "seg_sums") < 0 || take(&zeros, &nz, 8, "seg_zeros") < 0)
         goto done;
-    const Py_ssize_t n = nseg > 0 ? nseg : nraw;
+    const Py_ssize_t n = nseg > 0 ? nseg : nraw, nseq = n ? ns : 0;
     if (nout != 3 * ns || nz != ns || (nval && nval != n) || (n && ns < 1)) {
         PyErr_SetString(PyExc_ValueError, "_kernels.is_stats: sizes do not match");
         goto done;
     }
-    WeightsTally c = {
-        .w = {.raw = raw.buf, .seg = nseg > 0 ? seg.buf : NULL, .valid = nval ? val.buf : NULL,
-              .upper = upper, .lower = lower, .low = isnan(lower) ? 1.0 / upper : lower,
-              .icepop = !isnan(lower)},
-        .t = {.hi = {-INFINITY, -INFINITY, -INFINITY, -INFINITY},
-              .lo = {INFINITY, INFINITY, INFINITY, INFINITY}}};
-    double sums[2] = {0.0, 0.0}, *z = zeros.buf, *segs = out.buf;
+    scratch = PyMem_RawMalloc(3 * (size_t)(n ? n : 1) * sizeof(double));
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    double *w = scratch + n, *w2 = scratch + 2 * n, *segs = out.buf, sums[2];
+    const uint8_t *valid = nval ? val.buf : NULL;
     const int64_t *starts = st.buf;
-    const Py_ssize_t nseq = n ? ns : 0;
+    const double low = isnan(lower) ? 1.0 / upper : lower;
+    Tally t;
     Py_BEGIN_ALLOW_THREADS
-    np_sum(2, fill_w, &c.w, n, sums);
-    for (Py_ssize_t s = 0; s < nseq; s++) { /* np.add.reduceat, one sequence at a time */
-        const Py_ssize_t a = starts[s], b = s + 1 < nseq ? starts[s + 1] : n;
-        const int64_t zeros_before = c.t.zeros;
-        double first[PW_MAX][PW_BLOCK], rest[PW_MAX];
-        fill_w_raw(&c, a, 1, first);
-        if (b - a > 1)
-            pw_sum(3, fill_w_raw, &c, a + 1, b - a - 1, rest);
-        for (int q = 0; q < 3; q++)
-            segs[q * ns + s] = b - a > 1 ? first[q][0] + rest[q] : first[q][0];
-        z[s] = (double)(c.t.zeros - zeros_before);
-    }
+    const double *x =
+        weights_of(raw.buf, nseg > 0 ? seg.buf : NULL, valid, upper, lower, n, scratch, w, w2);
+    sums[0] = np_sum(w, n);
+    sums[1] = np_sum(w2, n);
+    np_reduceat(w, starts, nseq, n, segs);
+    np_reduceat(w2, starts, nseq, n, segs + ns);
+    np_reduceat(x, starts, nseq, n, segs + 2 * ns);
+    tally(x, w, valid, upper, low, starts, nseq, n, zeros.buf, &t);
     Py_END_ALLOW_THREADS
-    double hi = c.t.hi[0], lo = c.t.lo[0];
-    for (int k = 1; k < 4; k++) {
-        hi = c.t.hi[k] > hi ? c.t.hi[k] : hi;
-        lo = c.t.lo[k] < lo ? c.t.lo[k] : lo;
-    }
-    result = Py_BuildValue("ddddLL", sums[0], sums[1], hi, lo, (long long)c.t.above,
-                           (long long)c.t.below);
+    result = Py_BuildValue("ddddLL", sums[0], sums[1], t.hi, t.lo, (long long)t.above,
+                           (long long)t.below);
 done:
+    PyMem_RawFree(scratch);
     Py_buffer *all[6] = {&raw, &seg, &val, &st, &out, &zeros};
     for (int k = 0; k < 6; k++)
         if (all[k]->obj)
