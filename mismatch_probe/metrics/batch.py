@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.store import ROW_COLUMN
 from mismatch_probe.store.arrays import numpy_of, valid_of
 
 LOGPROB_FLOOR = -9999.0
@@ -58,6 +59,8 @@ class TokenBatch(NamedTuple):
             when the store has no such column.
         all_valid: True when ``m`` is True everywhere (the common case: a store without
             padding), so the valid rows are the arrays themselves, no copy.
+        row: ``[N]`` int64 each row's place in the store (``store.ROW_COLUMN``), or None: read
+            in place of ``token_id``, whose few values the outputs name are read afterwards.
     """
 
     train: np.ndarray
@@ -77,6 +80,7 @@ class TokenBatch(NamedTuple):
     sample_id: np.ndarray | None = None
     entropy: np.ndarray | None = None
     all_valid: bool = False  # every row is a valid token (no padding): ``valid(b, x)`` is ``x``
+    row: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -124,6 +128,11 @@ def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
 _FAST_INTS = (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32())
 
 
+def int64_safe(kind: pa.DataType) -> bool:
+    """True for an integer type every value of which int64 holds (``int_column``'s fast path)."""
+    return kind in _FAST_INTS
+
+
 def int_column(table: pa.Table, name: str) -> np.ndarray:
     """``[N]`` int64 values of an integer column.
 
@@ -151,7 +160,8 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
     """A pyarrow table of whole, contiguous sequences -> ``TokenBatch``.
 
     Reads ``seq_id``, ``position``, ``train_logprob``, ``rollout_logprob`` and, when present,
-    ``support_flip``, ``token_id``, ``prompt_id``, ``sample_id`` and ``train_entropy``.
+    ``support_flip``, ``token_id``, ``prompt_id``, ``sample_id``, ``train_entropy`` and the
+    rows' locators (``store.ROW_COLUMN``).
     """
     seq = int_column(table, "seq_id")
     train_raw, train_ok = _column(table, "train_logprob")
@@ -187,6 +197,7 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
         sample_id=ids.get("sample_id"),
         entropy=_entropy_column(table, m) if "train_entropy" in names else None,
         all_valid=all_valid,
+        row=int_column(table, ROW_COLUMN) if ROW_COLUMN in names else None,
     )
 
 
@@ -199,7 +210,11 @@ def _entropy_column(table: pa.Table, m: np.ndarray) -> np.ndarray:
 
 
 def prob(logprob: np.ndarray) -> np.ndarray:
-    """Probabilities ``exp(min(lp, 0))``: a (noisy) positive log-prob counts as probability 1."""
+    """Probabilities ``exp(min(lp, 0))``: a (noisy) positive log-prob counts as probability 1.
+    Where no log-prob is positive (the usual case: one reduction finds it) the minimum is the
+    log-prob itself, so ``exp(lp)`` gives the same bits without the extra pass."""
+    if len(logprob) and logprob.max() <= 0.0:
+        return np.exp(logprob)
     return np.exp(np.minimum(logprob, 0.0))
 
 

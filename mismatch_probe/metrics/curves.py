@@ -21,10 +21,12 @@ The slope is also the flat key ``seq_log_ratio_slope_per_1k``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics.accum import (
     CoMoments,
     Counts,
@@ -208,6 +210,20 @@ class CurvesAccumulator:
     def scalars(self, counts: Counts) -> dict[str, float]:
         return {"seq_log_ratio_slope_per_1k": self.line.slope()}
 
+    def read_token_ids(self, read: Callable[[list[int]], list[Any]]) -> None:
+        """Fill the worst tokens' ``token_id`` where the pass read locators instead
+        (``read``: the store's values at those locators, ``store.read_rows``).
+
+        Raises:
+            ProbeError: a null token id (the pass would have refused the column).
+        """
+        pending = [rec for rec in self.worst if _ROW_KEY in rec]
+        for rec, token in zip(pending, read([rec[_ROW_KEY] for rec in pending]), strict=True):
+            if token is None:
+                raise ProbeError("column token_id holds nulls")
+            rec["token_id"] = int(token)
+            del rec[_ROW_KEY]
+
     def curves(self, counts: Counts) -> dict[str, Any]:
         _, ids, lengths, sums = self.sample
         order = np.argsort(ids, kind="stable")
@@ -319,7 +335,7 @@ def _keep_sample(held: Sample, new: Sample) -> Sample:
 
 
 def _token_record(b: TokenBatch, row: int) -> dict[str, Any]:
-    return {
+    record = {
         "seq_id": int(b.seq_id[b.seg[row]]),
         "position": int(b.position[row]),
         "token_id": int(b.token_id[row]) if b.token_id is not None else None,
@@ -328,6 +344,12 @@ def _token_record(b: TokenBatch, row: int) -> dict[str, Any]:
         "rollout_logprob": float(b.rollout[row]),
         "support_flip": bool(b.flip[row]) if b.flip is not None else None,
     }
+    if b.token_id is None and b.row is not None:  # its token id is read at the end
+        record[_ROW_KEY] = int(b.row[row])
+    return record
+
+
+_ROW_KEY = "_row"  # a worst token's locator until ``read_token_ids`` replaces it
 
 
 def _worst_key(rec: dict[str, Any]) -> tuple[float, int, int]:

@@ -25,14 +25,17 @@ from mismatch_probe.metrics.stream import (
     compute_metrics,
     select_setting,
     table_partial,
+    token_ids_later,
 )
 from mismatch_probe.metrics.turns import prompt_lengths, rerender_scalars
 from mismatch_probe.parallel import ordered_map
 from mismatch_probe.store import (
     METRIC_COLUMNS,
+    ROW_COLUMN,
     STEP_COLUMN,
     iter_sequence_batches,
     open_parquet,
+    read_rows,
     resolve_tokens_path,
     step_ranges,
 )
@@ -102,6 +105,8 @@ def compute_by_step(
     if STEP_COLUMN not in names:
         raise ProbeError(f"{path} has no step column (not an ingested run)")
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
+    later = token_ids_later(path, open_parquet(path).schema_arrow, None)
+    optional = [ROW_COLUMN if c == "token_id" and later else c for c in optional]
     run = MetricEngine(config, has_flip="support_flip" in names)
     steps = _Steps(path, config, run.has_flip)
     seen: set[str] = set()
@@ -118,6 +123,8 @@ def compute_by_step(
         run.merge(whole)
         steps.add(parts)
     check_settings(path, None, seen)
+    if later:
+        run.curves.read_token_ids(lambda rows: read_rows(path, rows, "token_id"))
     covered = next(iter(seen)) if len(seen) == 1 else None
     result = run.result(str(path), covered, steps.lengths, rerender_scalars(path, None))
     return result, steps.finish(covered)

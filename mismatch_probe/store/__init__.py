@@ -33,11 +33,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.store.arrays import numpy_of
+from mismatch_probe.store.arrays import arrow_int64, numpy_of
 from mismatch_probe.store.dataset import part_files
 
 SCHEMA_VERSION = "1"
@@ -613,6 +614,14 @@ def read_run_metadata(path: Path) -> dict[str, Any]:
     return json.loads(meta[META_KEY]) if META_KEY in meta else {}
 
 
+# Not a stored column: asked of ``iter_sequence_batches``, each row's place in the store, read
+# back with ``read_rows`` (the metric pass names its worst tokens' ids without decoding every
+# row's). A locator is the part file's index (``part_files`` order) * 2**40 + the row's index in
+# that file.
+ROW_COLUMN = "__row"
+_PART_SHIFT = 40
+
+
 def iter_sequence_batches(
     path: Path, columns: Sequence[str] = METRIC_COLUMNS, row_groups: Sequence[int] | None = None
 ) -> Iterator[pa.Table]:
@@ -629,16 +638,24 @@ def iter_sequence_batches(
     Yields:
         Tables with ``columns`` (plus ``seq_id``), rows in file order: each sequence's rows
         together, sequences in order of appearance (rows are not re-sorted by position).
-        With ``row_groups``, only those row groups are read (see ``step_row_groups``).
+        With ``row_groups``, only those row groups are read (see ``step_row_groups``). With
+        ``ROW_COLUMN`` among the columns, each row's locator (int64) as that column.
     """
     cols = list(dict.fromkeys(["seq_id", *columns]))
+    locate = ROW_COLUMN in cols
+    cols = [c for c in cols if c != ROW_COLUMN]
     files = [_open_part(p, cols) for p in part_files(path)]
     seen: set[int] = set()
     held: pa.Table | None = None  # rows read, not yet yielded: their last sequence may go on
     try:
         if row_groups is not None and len(files) > 1:
             raise ProbeError(f"{path}: row groups (one training step) of a sharded store")
-        for group in (chunk for pf in files for chunk in _chunks(pf, cols, row_groups)):
+        chunks = (
+            chunk
+            for part, pf in enumerate(files)
+            for chunk in _chunks(pf, cols, row_groups, part if locate else None)
+        )
+        for group in chunks:
             if group.num_rows == 0:
                 continue
             if held is None:
@@ -663,33 +680,88 @@ def iter_sequence_batches(
 
 
 def _chunks(
-    pf: pq.ParquetFile, cols: list[str], row_groups: Sequence[int] | None = None
+    pf: pq.ParquetFile,
+    cols: list[str],
+    row_groups: Sequence[int] | None = None,
+    part: int | None = None,
 ) -> Iterator[pa.Table]:
     """The file as tables of at most ``2 * ROW_GROUP_TOKENS`` rows (one of our row groups fits
     whole), reading one row group at a time: no read-ahead across groups, and a foreign file's
     huge row group is decoded piece by piece. Its columns are decoded in the calling thread
     (``use_threads=False``): the batches' consumers already keep the cores busy, and Arrow's
     pool, woken for every row group, cost more than it saved (1.5x the time of a whole read)."""
+    starts = _row_group_starts(pf) if part is not None else []
     for i in range(pf.num_row_groups) if row_groups is None else row_groups:
         batches = pf.iter_batches(
             2 * ROW_GROUP_TOKENS, row_groups=[i], columns=cols, use_threads=False
         )
+        row = starts[i] if part is not None else 0
         for batch in batches:
-            yield pa.Table.from_batches([batch])
+            table = pa.Table.from_batches([batch])
+            if part is not None:  # each row's locator: (part << _PART_SHIFT) + its row
+                first = (part << _PART_SHIFT) + row
+                locators = np.arange(first, first + table.num_rows, dtype=np.int64)
+                table = table.append_column(ROW_COLUMN, arrow_int64(locators))
+                row += table.num_rows
+            yield table
+
+
+def _row_group_starts(pf: pq.ParquetFile) -> list[int]:
+    """The index of each row group's first row in the file."""
+    sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def read_rows(path: Path, locators: Sequence[int], column: str) -> list[Any]:
+    """The values of ``column`` at the rows ``locators`` name (``ROW_COLUMN`` of
+    ``iter_sequence_batches`` over the same ``path``), reading only the row groups that hold
+    them.
+
+    Raises:
+        ProbeError: the store is unreadable.
+    """
+    parts = part_files(path)
+    wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (part, group) -> (locator, row)
+    files: dict[int, tuple[pq.ParquetFile, list[int]]] = {}
+    try:
+        for locator in dict.fromkeys(locators):
+            part, row = divmod(locator, 1 << _PART_SHIFT)
+            if part not in files:
+                pf = _open_part(parts[part], [column])
+                files[part] = (pf, _row_group_starts(pf))
+            starts = files[part][1]
+            group = max(i for i, start in enumerate(starts) if start <= row)
+            wanted.setdefault((part, group), []).append((locator, row - starts[group]))
+        values: dict[int, Any] = {}
+        for (part, group), rows in wanted.items():
+            read = files[part][0].read_row_group(group, columns=[column]).column(column)
+            values.update((locator, read[row].as_py()) for locator, row in rows)
+    except (pa.ArrowException, OSError) as exc:
+        raise ProbeError(f"{path} is corrupt ({exc})") from None
+    return [values[locator] for locator in locators]
+
+
+def null_free(path: Path, column: str, row_groups: Sequence[int] | None = None) -> bool:
+    """True when the footers' statistics show ``column`` without nulls in every row group read
+    (False where a row group has no statistics for it)."""
+    for part in part_files(path):
+        pf = _open_part(part, [column])
+        index = pf.schema_arrow.get_field_index(column)
+        for i in range(pf.num_row_groups) if row_groups is None else row_groups:
+            stats = pf.metadata.row_group(i).column(index).statistics
+            if stats is None or not stats.has_null_count or stats.null_count:
+                return False
+    return True
 
 
 def _last_run_start(seq: Any) -> int:
     """Index where the final run of equal seq_ids begins."""
-    import numpy as np
-
     change = np.flatnonzero(seq[1:] != seq[:-1])
     return int(change[-1] + 1) if len(change) else 0
 
 
 def _check_contiguous(seq: Any, seen: set[int], path: Path) -> None:
     """Record the sequences of a batch in ``seen``; fail if one was seen in an earlier run."""
-    import numpy as np
-
     starts = seq[np.r_[True, seq[1:] != seq[:-1]]].tolist()
     if len(set(starts)) != len(starts) or not seen.isdisjoint(starts):
         raise ProbeError(

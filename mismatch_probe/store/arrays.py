@@ -52,6 +52,12 @@ def numpy_of(values: pa.Array | pa.ChunkedArray, null: Any = None) -> np.ndarray
     return np.where(valid_of(values), data, np.asarray(null, dtype=dtype))
 
 
+def arrow_int64(values: np.ndarray) -> pa.Array:
+    """An int64 Arrow array of a numpy array's values, from its buffer (no ``pa.array``)."""
+    data = np.ascontiguousarray(values, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(data), [None, pa.py_buffer(data)])
+
+
 def valid_of(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """``[N]`` bool: the values that are not null."""
     if isinstance(values, pa.ChunkedArray):
