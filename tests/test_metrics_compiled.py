@@ -1,9 +1,14 @@
-"""The compiled curves loop (``_kernels.curves``) gives the numpy calls' bits.
+"""The compiled loops (``_kernels``) give the numpy calls' bits.
 
-Every count and every sum of ``curves.token_tables`` is compared with the numpy path, on
-tokens drawn like a model's and on values placed on and around every bin edge (the histogram's
-``linspace`` edges, the probability edges, the position edges), beyond the ranges, and at the
-log-prob floor.
+* ``curves``: every count and every sum of ``curves.token_tables`` is compared with the numpy
+  path, on tokens drawn like a model's and on values placed on and around every bin edge (the
+  histogram's ``linspace`` edges, computed in the loop or looked up, the probability edges,
+  the position edges), beyond the ranges, and at the log-prob floor;
+* ``thresholds`` and ``is_stats``: every count, extreme and sum against numpy's, at lengths
+  around the loops' lanes and blocks, with padding, at both IS levels, TIS and IcePop;
+* the whole metric engine, every number of ``metrics.json``, with the loops and without them
+  (``compiled.kernels`` None), on stores with padding, empty sequences, log-ratios beyond the
+  safety bound, ``-inf`` and positive log-probs, ``-0.0`` and unsorted positions.
 """
 
 from __future__ import annotations
@@ -73,6 +78,111 @@ def test_a_wrong_size_is_refused() -> None:
     x = np.zeros(4)
     with pytest.raises(ValueError, match="position"):
         kernels.curves(x, x, x, x, x, x, np.zeros(3, np.int64), *curves._HIST,
-                       curves._POSITION_BIN, curves._PROB_GUESS, curves._PROB_BOUNDS, 50,
+                       *curves._HIST_LINE, *curves._INNER_EDGES, 50,
                        np.zeros(124, np.int64), np.zeros(2500, np.int64),
                        np.zeros(182, np.int64), np.zeros(728))  # fmt: skip
+
+
+def test_the_looked_up_bounds_give_the_computed_ones_bins() -> None:
+    """A step that does not give the bounds handed makes the loop look them up: same slots."""
+    from mismatch_probe.metrics.compiled import kernels
+
+    assert kernels is not None
+    rng = np.random.default_rng(3)
+    n = 50_000
+    edges = np.linspace(*curves.LOG_RATIO_RANGE, curves.LOG_RATIO_BINS + 1)
+    r = np.concatenate([rng.normal(0.0, 1.0, n), edges, np.nextafter(edges, np.inf)])
+    p = rng.random(len(r))
+    position = rng.integers(0, 40_000, len(r))
+    slots = []
+    for lo, step in (curves._HIST_LINE, (curves._HIST_LINE[0], curves._HIST_LINE[1] * 1.001)):
+        out = [np.zeros(124, np.int64), np.zeros(2500, np.int64), np.zeros(182, np.int64),
+               np.zeros(728)]  # fmt: skip
+        kernels.curves(r, r, r, r, p, p, position, *curves._HIST, lo, step,
+                       *curves._INNER_EDGES, 50, *out)  # fmt: skip
+        slots.append(out[0])
+    np.testing.assert_array_equal(slots[0], slots[1])
+    want = curves.uniform_slots(r, curves.LOG_RATIO_BINS, *curves.LOG_RATIO_RANGE)
+    np.testing.assert_array_equal(slots[0], want)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 2047, 2048, 2049, 20_001])
+def test_thresholds_count_as_numpy(size: int) -> None:
+    from mismatch_probe.metrics.accum import thresholds
+
+    rng = np.random.default_rng(size)
+    x = np.concatenate([rng.normal(1.0, 0.5, size), [0.5, 1.0, 1.5, 2.0, -0.0][: size // 4]])
+    above, below = (0.5, 1.0, 1.5, 2.0), (0.2, 0.5, 0.9)
+    for center in (None, 1.0):
+        got = thresholds(x, above, below, center=center)
+        want = thresholds(x, above, below, center=center, compiled=False)
+        np.testing.assert_array_equal(got.above, want.above)
+        np.testing.assert_array_equal(got.below, want.below)
+        assert (got.max, got.min) == (want.max, want.min)
+
+
+def _store(path, seed: int, pad: float = 0.0, wild: float = 0.0, shuffled: bool = False,
+           zeros: bool = False):  # fmt: skip
+    """A token store of a few hundred sequences of 1..700 tokens: ``pad`` of the log-probs null
+    (and five sequences all padding), ``wild`` of the log-ratios far beyond the safety bound and
+    of the rollout log-probs -inf or positive, positions out of order, -0.0 and equal pairs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 700, 300)
+    n = int(lengths.sum())
+    seq = np.repeat(np.arange(300) * 3 + 7, lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    position = np.arange(n) - starts + (rng.integers(-3, 3, n) if shuffled else 0)
+    rollout = -rng.exponential(1.5, n)
+    r = rng.normal(0, 0.05, n) + (rng.random(n) < 0.01) * rng.normal(0, 2, n)
+    if wild:
+        far = rng.random(n) < wild
+        r[far] = rng.normal(0, 30, far.sum())
+        rollout[rng.random(n) < wild] = -np.inf
+        rollout[rng.random(n) < wild] = 0.3
+    train = rollout + r
+    if zeros:
+        train[rng.random(n) < 0.05] = -0.0
+        rollout[rng.random(n) < 0.05] = -0.0
+        same = rng.random(n) < 0.1
+        train[same] = rollout[same]
+    empty = np.isin(seq, seq[starts[:: max(1, n // 50)]][:5]) if pad else np.zeros(n, bool)
+    table = pa.table({
+        "seq_id": seq, "position": position.astype(np.int32),
+        "token_id": rng.integers(0, 1000, n).astype(np.int32),
+        "rollout_logprob": pa.array(rollout.astype(np.float32), mask=rng.random(n) < pad),
+        "train_logprob": pa.array(train.astype(np.float32), mask=(rng.random(n) < pad) | empty),
+        "support_flip": rng.random(n) < 0.01,
+    })  # fmt: skip
+    pq.write_table(table, path, row_group_size=int(rng.integers(5000, 60_000)))
+    return path
+
+
+STORES = {"plain": {}, "padding": {"pad": 0.05}, "beyond_the_bound": {"wild": 0.02},
+          "unsorted_positions": {"shuffled": True}, "signed_zeros": {"zeros": True},
+          "all_of_them": {"pad": 0.03, "wild": 0.01, "shuffled": True, "zeros": True}}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(STORES))
+def test_the_engine_gives_the_same_bits_without_the_loops(
+    name: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from mismatch_probe.metrics import MetricsConfig, compiled, compute_metrics
+
+    path = _store(tmp_path / "tokens.parquet", len(name), **STORES[name])
+    rs = {"rollout_rs": "token_k1,seq_max_k3", "rollout_rs_threshold": "0.5_2.0,0.01"}
+    configs = [MetricsConfig(),
+               MetricsConfig(rollout_is="sequence", rollout_is_threshold="0.5_2",
+                             batch_normalize=True, **rs)]  # fmt: skip
+
+    def exact(config: MetricsConfig) -> str:
+        result = compute_metrics(path, config, workers=2).to_json_dict()
+        return json.dumps(result, sort_keys=True, default=str)
+
+    with_loops = [exact(config) for config in configs]
+    monkeypatch.setattr(compiled, "kernels", None)
+    assert [exact(config) for config in configs] == with_loops

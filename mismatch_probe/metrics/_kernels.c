@@ -32,32 +32,85 @@ static int take(Py_buffer *view, Py_ssize_t *n, Py_ssize_t size, const char *wha
     return 0;
 }
 
-/* The slot of ``x`` among ``bounds`` (slot s: bounds[s] <= x < bounds[s + 1]) from a guess
- * ``clip(g, 0, top)`` truncated, at most one off: numpy's ``guess -= x < bounds[guess];
- * guess += x >= bounds[guess + 1]``. NaN guesses are slot 0 (not reached: inputs are finite). */
-static inline Py_ssize_t corrected(double x, double g, double top, const double *bounds)
-{
-    g = g > 0.0 ? g : 0.0;
-    g = g < top ? g : top;
-    Py_ssize_t s = (Py_ssize_t)g;
-    s -= x < bounds[s];
-    s += x >= bounds[s + 1];
-    return s;
-}
+enum { NSUMS = 4, CB = 1024 };
 
-enum { NSUMS = 4 };
-
-/* The bins of one batch (see ``curves``): sizes, bounds and tables. */
+/* The bins of one batch (see ``curves``). */
 typedef struct {
-    const double *hbounds;    /* uniform_hist's bins + 4 slot bounds */
-    double hscale, hoffset, htop;  /* its guess: clip(r * hscale + hoffset, 0, htop) */
-    const int64_t *pos_table; /* position bin of positions 0 .. npt - 1 */
-    int64_t pos_last;         /* npt - 1 */
-    const int64_t *prob_guess;  /* probability bin of floor(1000 p) */
-    double ptop;              /* 1000 */
-    const double *pbounds;    /* nprob + 1 probability bin bounds */
-    Py_ssize_t nprob, nb2, ncell;
+    double hscale, hoffset, htop; /* the histogram's guess: clip(r * hscale + hoffset, 0, htop) */
+    const double *hbounds;        /* its bins + 4 slot bounds */
+    double hlo, hstep;            /* bound k = (k - 1) * hstep + hlo for k = 1 .. bins */
+    int32_t hbins, computed;      /* computed: those bounds equal hbounds (no table look-up) */
+    const int64_t *pos_edges;     /* npos - 1 inner position edges, ascending */
+    const double *prob_edges;     /* nprob - 1 inner probability edges, ascending */
+    int32_t npos, nprob, nb2;
+    Py_ssize_t ncell;
 } Bins;
+
+/* The bins of rows 0 .. m - 1 of a block, each loop plain arithmetic and compares the
+ * compiler vectorises (no table look-up where ``computed``):
+ *   slot: the histogram's slot of r, guessed and corrected by one bound each way, the bounds
+ *         computed as ``np.linspace`` computes its edges (k - 1 times the step, plus the low
+ *         end; no fused multiply-add), or looked up;
+ *   cell2: the 2-D histogram's cell;
+ *   cell: the crossed (position, rollout probability) cell, each bin the number of inner edges
+ *         at or below the value (``searchsorted(edges, v, "right") - 1``, clipped). */
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+static void block_bins(Py_ssize_t m, const double *restrict r, const double *restrict pr,
+                       const double *restrict ptr, const int64_t *restrict pos, const Bins *bins,
+                       int32_t *restrict slot, int32_t *restrict cell2, int32_t *restrict cell)
+{
+    const Bins z = *bins;
+    const double top2 = (double)(z.nb2 - 1), nb2 = (double)z.nb2;
+    const double *restrict hb = z.hbounds;
+    const double hnext = hb[z.hbins + 1]; /* above the last edge: nextafter(hi), then inf */
+    const int32_t nbins = z.hbins;
+    if (z.computed) {
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const double x = r[i];
+            double g = x * z.hscale + z.hoffset;
+            g = g > 0.0 ? g : 0.0;
+            g = g < z.htop ? g : z.htop;
+            const int32_t k = (int32_t)g; /* 0 .. bins + 1 */
+            const double lo_edge = (double)(k - 1) * z.hstep + z.hlo;
+            const double hi_edge = (double)k * z.hstep + z.hlo;
+            const double below = k == 0 ? -INFINITY : (k <= nbins ? lo_edge : hnext);
+            const double above = k < nbins ? hi_edge : (k == nbins ? hnext : INFINITY);
+            slot[i] = k - (x < below) + (x >= above);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const double x = r[i];
+            double g = x * z.hscale + z.hoffset;
+            g = g > 0.0 ? g : 0.0;
+            g = g < z.htop ? g : z.htop;
+            int32_t k = (int32_t)g;
+            k -= x < hb[k];
+            k += x >= hb[k + 1];
+            slot[i] = k;
+        }
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        double gx = pr[i] * nb2, gy = ptr[i] * nb2;
+        gx = gx > 0.0 ? (gx < top2 ? gx : top2) : 0.0;
+        gy = gy > 0.0 ? (gy < top2 ? gy : top2) : 0.0;
+        cell2[i] = (int32_t)gx * z.nb2 + (int32_t)gy;
+    }
+    int32_t qbin[CB];
+    for (Py_ssize_t i = 0; i < m; i++)
+        cell[i] = 0, qbin[i] = 0;
+    for (int32_t e = 0; e < z.nprob - 1; e++) {
+        const double t = z.prob_edges[e];
+        for (Py_ssize_t i = 0; i < m; i++)
+            cell[i] += pr[i] >= t;
+    }
+    for (int32_t e = 0; e < z.npos - 1; e++) {
+        const int64_t t = z.pos_edges[e];
+        for (Py_ssize_t i = 0; i < m; i++)
+            qbin[i] += pos[i] >= t;
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        cell[i] += qbin[i] * z.nprob;
+}
 
 static void curves_loop(Py_ssize_t n, const double *restrict r, const double *restrict abs_r,
                         const double *restrict k3, const double *restrict dp,
@@ -66,33 +119,16 @@ static void curves_loop(Py_ssize_t n, const double *restrict r, const double *re
                         int64_t *restrict hist2d, int64_t *restrict count,
                         double *restrict sums)
 {
-    const Bins z = *bins;
-    const double top2 = (double)(z.nb2 - 1), nb2 = (double)z.nb2;
-    double *restrict s0 = sums, *restrict s1 = sums + z.ncell, *restrict s2 = sums + 2 * z.ncell,
-                     *restrict s3 = sums + 3 * z.ncell;
+    const Py_ssize_t nc = bins->ncell;
+    double *restrict s0 = sums, *restrict s1 = sums + nc, *restrict s2 = sums + 2 * nc,
+                     *restrict s3 = sums + 3 * nc;
     /* A block's bins first, then its additions: the tables' addresses are known before the
      * adds, so a run of rows in one bin (most rows of one sequence) is a chain of additions,
      * not a stall on each address. The adds keep their row order. */
-    enum { CB = 1024 };
-    Py_ssize_t slot[CB], cell2[CB], cell[CB];
+    int32_t slot[CB], cell2[CB], cell[CB];
     for (Py_ssize_t start = 0; start < n; start += CB) {
         const Py_ssize_t m = n - start < CB ? n - start : CB;
-        for (Py_ssize_t j = 0; j < m; j++) {
-            const Py_ssize_t i = start + j;
-            const double x = r[i], p = pr[i];
-            slot[j] = corrected(x, x * z.hscale + z.hoffset, z.htop, z.hbounds);
-            double gx = p * nb2, gy = ptr[i] * nb2;
-            gx = gx > 0.0 ? (gx < top2 ? gx : top2) : 0.0;
-            gy = gy > 0.0 ? (gy < top2 ? gy : top2) : 0.0;
-            cell2[j] = (Py_ssize_t)gx * z.nb2 + (Py_ssize_t)gy;
-            const int64_t q = pos[i] > 0 ? (pos[i] < z.pos_last ? pos[i] : z.pos_last) : 0;
-            double g = p * z.ptop;
-            g = g > 0.0 ? (g < z.ptop ? g : z.ptop) : 0.0;
-            Py_ssize_t b = (Py_ssize_t)z.prob_guess[(Py_ssize_t)g];
-            b -= p < z.pbounds[b];
-            b += p >= z.pbounds[b + 1];
-            cell[j] = (Py_ssize_t)z.pos_table[q] * z.nprob + b;
-        }
+        block_bins(m, r + start, pr + start, ptr + start, pos + start, bins, slot, cell2, cell);
         for (Py_ssize_t j = 0; j < m; j++) {
             hist[slot[j]] += 1;
             hist2d[cell2[j]] += 1;
@@ -109,53 +145,58 @@ static void curves_loop(Py_ssize_t n, const double *restrict r, const double *re
 }
 
 /* curves(r, abs_r, k3, dp, p_rollout, p_train, position,
- *        hist_bounds, hist_scale, hist_offset, pos_table, prob_guess, prob_bounds, hist2d_bins,
- *        hist, hist2d, cell_count, cell_sums)
+ *        hist_bounds, hist_scale, hist_offset, hist_lo, hist_step, pos_edges, prob_edges,
+ *        hist2d_bins, hist, hist2d, cell_count, cell_sums)
  *
  * For the N valid tokens (float64 arrays; position int64), adds:
  *   hist[s]        += 1, s = uniform_hist's slot of r (hist_bounds: its bounds, bins + 4 of
+ *                    them, the inner ones hist_lo + (k - 1) * hist_step as linspace computes
  *                    them; guess r * hist_scale + hist_offset clipped to [0, bins + 1]);
  *   hist2d[i * B + j] += 1, i, j = min(floor(clip(p * B, 0, B - 1))) of p_rollout, p_train;
  *   cell_count[c]  += 1 and cell_sums[k * C + c] += (r, abs_r, k3, dp)[k], c = position bin *
- *                    P + probability bin (P = len(prob_bounds) - 1 bins; C cells):
- *                    position bin pos_table[clip(position, 0, len(pos_table) - 1)], probability
- *                    bin prob_guess[clip(p_rollout * 1000, 0, 1000)] corrected by prob_bounds. */
+ *                    P + probability bin (pos_edges, int64, and prob_edges, float64: the inner
+ *                    edges of each, ascending; a bin is the number of them at or below the
+ *                    value; P = len(prob_edges) + 1 bins, C cells). */
 static PyObject *curves(PyObject *self, PyObject *args)
 {
-    Py_buffer in[7], hb, pt, pg, pb, out[4];
-    double hscale, hoffset;
+    Py_buffer in[7], hb, pe, qe, out[4];
+    double hscale, hoffset, hlo, hstep;
     Py_ssize_t nb2;
     for (int k = 0; k < 7; k++)
         in[k].obj = NULL;
-    hb.obj = pt.obj = pg.obj = pb.obj = NULL;
+    hb.obj = pe.obj = qe.obj = NULL;
     for (int k = 0; k < 4; k++)
         out[k].obj = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*ddy*y*y*nw*w*w*w*", &in[0], &in[1], &in[2],
-                          &in[3], &in[4], &in[5], &in[6], &hb, &hscale, &hoffset, &pt, &pg, &pb,
-                          &nb2, &out[0], &out[1], &out[2], &out[3]))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*ddddy*y*nw*w*w*w*", &in[0], &in[1], &in[2],
+                          &in[3], &in[4], &in[5], &in[6], &hb, &hscale, &hoffset, &hlo, &hstep,
+                          &pe, &qe, &nb2, &out[0], &out[1], &out[2], &out[3]))
         return NULL;
     PyObject *result = NULL;
-    Py_ssize_t n = -1, nhb = -1, npt = -1, npg = -1, npb = -1, nh = -1, n2 = -1, nc = -1, ns = -1;
+    Py_ssize_t n = -1, nhb = -1, npe = -1, nqe = -1, nh = -1, n2 = -1, nc = -1, ns = -1;
     const char *names[7] = {"r", "abs_r", "k3", "dp", "p_rollout", "p_train", "position"};
     for (int k = 0; k < 7; k++)
         if (take(&in[k], &n, 8, names[k]) < 0)
             goto done;
-    if (take(&hb, &nhb, 8, "hist_bounds") < 0 || take(&pt, &npt, 8, "pos_table") < 0 ||
-        take(&pg, &npg, 8, "prob_guess") < 0 || take(&pb, &npb, 8, "prob_bounds") < 0 ||
-        take(&out[0], &nh, 8, "hist") < 0 || take(&out[1], &n2, 8, "hist2d") < 0 ||
-        take(&out[2], &nc, 8, "cell_count") < 0 || take(&out[3], &ns, 8, "cell_sums") < 0)
+    if (take(&hb, &nhb, 8, "hist_bounds") < 0 || take(&pe, &npe, 8, "pos_edges") < 0 ||
+        take(&qe, &nqe, 8, "prob_edges") < 0 || take(&out[0], &nh, 8, "hist") < 0 ||
+        take(&out[1], &n2, 8, "hist2d") < 0 || take(&out[2], &nc, 8, "cell_count") < 0 ||
+        take(&out[3], &ns, 8, "cell_sums") < 0)
         goto done;
-    const Py_ssize_t nprob = npb - 1, nbins = nhb - 4;
-    const Py_ssize_t npos = nc / (nprob > 0 ? nprob : 1);
-    if (nbins < 1 || nh != nbins + 3 || nb2 < 1 || n2 != nb2 * nb2 || npg < 2 || nprob < 1 ||
-        npt < 1 || nc != npos * nprob || ns != NSUMS * nc) {
+    const Py_ssize_t nprob = nqe + 1, npos = npe + 1, nbins = nhb - 4;
+    if (nbins < 1 || nbins > INT32_MAX / 2 || nh != nbins + 3 || nb2 < 1 || nb2 > 46340 ||
+        n2 != nb2 * nb2 || nc != npos * nprob || nc > INT32_MAX || ns != NSUMS * nc) {
         PyErr_SetString(PyExc_ValueError, "_kernels.curves: output sizes do not match the bins");
         goto done;
     }
-    const Bins bins = {.hbounds = hb.buf, .hscale = hscale, .hoffset = hoffset,
-                       .htop = (double)(nbins + 1), .pos_table = pt.buf, .pos_last = npt - 1,
-                       .prob_guess = pg.buf, .ptop = (double)(npg - 1), .pbounds = pb.buf,
-                       .nprob = nprob, .nb2 = nb2, .ncell = nc};
+    Bins bins = {.hscale = hscale, .hoffset = hoffset, .htop = (double)(nbins + 1),
+                 .hbounds = hb.buf, .hlo = hlo, .hstep = hstep, .hbins = (int32_t)nbins,
+                 .computed = 1, .pos_edges = pe.buf, .prob_edges = qe.buf,
+                 .npos = (int32_t)npos, .nprob = (int32_t)nprob, .nb2 = (int32_t)nb2,
+                 .ncell = nc};
+    const double *bounds = hb.buf; /* computed where they are the bounds handed, else looked up */
+    bins.computed = bounds[0] == -INFINITY && bounds[nbins + 2] == INFINITY;
+    for (int32_t k = 1; k <= nbins && bins.computed; k++)
+        bins.computed = (double)(k - 1) * hstep + hlo == bounds[k];
     Py_BEGIN_ALLOW_THREADS
     curves_loop(n, in[0].buf, in[1].buf, in[2].buf, in[3].buf, in[4].buf, in[5].buf, in[6].buf,
                 &bins, out[0].buf, out[1].buf, out[2].buf, out[3].buf);
@@ -165,8 +206,8 @@ done:
     for (int k = 0; k < 7; k++)
         if (in[k].obj)
             PyBuffer_Release(&in[k]);
-    Py_buffer *rest[8] = {&hb, &pt, &pg, &pb, &out[0], &out[1], &out[2], &out[3]};
-    for (int k = 0; k < 8; k++)
+    Py_buffer *rest[7] = {&hb, &pe, &qe, &out[0], &out[1], &out[2], &out[3]};
+    for (int k = 0; k < 7; k++)
         if (rest[k]->obj)
             PyBuffer_Release(rest[k]);
     return result;
@@ -483,8 +524,8 @@ done:
 static PyMethodDef methods[] = {
     {"curves", curves, METH_VARARGS,
      "curves(r, abs_r, k3, dp, p_rollout, p_train, position, hist_bounds, hist_scale, "
-     "hist_offset, pos_table, prob_guess, prob_bounds, hist2d_bins, hist, hist2d, cell_count, "
-     "cell_sums) -> None"},
+     "hist_offset, hist_lo, hist_step, pos_edges, prob_edges, hist2d_bins, hist, hist2d, "
+     "cell_count, cell_sums) -> None"},
     {"thresholds", thresholds, METH_VARARGS,
      "thresholds(x, center, above, below, n_above, n_below) -> (max, min)"},
     {"is_stats", is_stats, METH_VARARGS,

@@ -272,6 +272,10 @@ class TokenTables(NamedTuple):
 
 _CROSSED = (len(POSITION_EDGES), len(PROB_EDGES) - 1)
 _HIST = uniform_bounds(LOG_RATIO_BINS, *LOG_RATIO_RANGE)
+# the histogram's inner bounds as np.linspace computes them (the loop checks they are), and
+# the inner edges of the crossed table's bins
+_HIST_LINE = (LOG_RATIO_RANGE[0], (LOG_RATIO_RANGE[1] - LOG_RATIO_RANGE[0]) / LOG_RATIO_BINS)
+_INNER_EDGES = (np.array(POSITION_EDGES[1:], np.int64), np.array(PROB_EDGES[1:-1]))
 
 
 def token_tables(t: TokenColumns, compiled: bool = True) -> TokenTables:
@@ -288,8 +292,8 @@ def token_tables(t: TokenColumns, compiled: bool = True) -> TokenTables:
     sums = np.zeros((len(_BIN_SUMS), *_CROSSED))
     columns = [np.ascontiguousarray(x, dtype=np.float64) for x in t[:6]]
     position = np.ascontiguousarray(t.position, dtype=np.int64)
-    kernels.curves(*columns, position, *_HIST, _POSITION_BIN, _PROB_GUESS, _PROB_BOUNDS,
-                   PROB_HIST_BINS, slots, hist2d, tokens, sums)  # fmt: skip
+    kernels.curves(*columns, position, *_HIST, *_HIST_LINE, *_INNER_EDGES, PROB_HIST_BINS,
+                   slots, hist2d, tokens, sums)  # fmt: skip
     return TokenTables(slots, hist2d, tokens, dict(zip(_BIN_SUMS, sums, strict=True)))
 
 
