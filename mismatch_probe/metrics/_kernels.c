@@ -19,6 +19,23 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+/* Eight lanes of doubles or of int64 (GCC's vector extensions: one AVX-512 register, two AVX2
+ * ones, four SSE2 ones, whichever the function's target has). A compare gives -1 (all bits)
+ * where it holds. Used where the compiler does not vectorise a running maximum by itself. */
+typedef double v8d __attribute__((vector_size(64)));
+typedef int64_t v8l __attribute__((vector_size(64)));
+
+static inline v8d load8(const double *p)
+{
+    v8d v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* where mask: a, else b */
+static inline v8d select8(v8l mask, v8d a, v8d b) { return (v8d)(((v8l)a & mask) | ((v8l)b & ~mask)); }
 
 /* A read buffer of ``n`` items of ``size`` bytes (n < 0: any length, set from the buffer). */
 static int take(Py_buffer *view, Py_ssize_t *n, Py_ssize_t size, const char *what)
@@ -241,30 +258,31 @@ static void thresholds_loop(Py_ssize_t n, const double *restrict x, double cente
         for (Py_ssize_t i = m; i < m8 + 8 && i < BLOCK; i++) /* the last lanes' padding */
             v[i] = v[m - 1];
         const Py_ssize_t mv = m8 < m ? m8 + 8 : m8; /* whole groups of 8, the last padded */
-        for (Py_ssize_t i = 0; i < mv; i += 8)
-            for (int l = 0; l < 8; l++) {
-                top[l] = v[i + l] > top[l] ? v[i + l] : top[l];
-                bottom[l] = v[i + l] < bottom[l] ? v[i + l] : bottom[l];
-            }
+        v8d hi8 = load8(top), lo8 = load8(bottom);
+        for (Py_ssize_t i = 0; i < mv; i += 8) {
+            const v8d x8 = load8(v + i);
+            hi8 = select8(x8 > hi8, x8, hi8);
+            lo8 = select8(x8 < lo8, x8, lo8);
+        }
+        memcpy(top, &hi8, sizeof hi8);
+        memcpy(bottom, &lo8, sizeof lo8);
         for (Py_ssize_t k = 0; k < na; k++) {
-            const double t = above[k];
-            int64_t c[8] = {0};
+            v8l c8 = {0};
             for (Py_ssize_t i = 0; i < m8; i += 8)
-                for (int l = 0; l < 8; l++)
-                    c[l] += v[i + l] > t;
+                c8 -= load8(v + i) > above[k]; /* a true compare is -1 */
+            int64_t c = 0;
             for (Py_ssize_t i = m8; i < m; i++)
-                c[0] += v[i] > t;
-            n_above[k] += c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+                c += v[i] > above[k];
+            n_above[k] += c + c8[0] + c8[1] + c8[2] + c8[3] + c8[4] + c8[5] + c8[6] + c8[7];
         }
         for (Py_ssize_t k = 0; k < nb; k++) {
-            const double t = below[k];
-            int64_t c[8] = {0};
+            v8l c8 = {0};
             for (Py_ssize_t i = 0; i < m8; i += 8)
-                for (int l = 0; l < 8; l++)
-                    c[l] += v[i + l] < t;
+                c8 -= load8(v + i) < below[k];
+            int64_t c = 0;
             for (Py_ssize_t i = m8; i < m; i++)
-                c[0] += v[i] < t;
-            n_below[k] += c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+                c += v[i] < below[k];
+            n_below[k] += c + c8[0] + c8[1] + c8[2] + c8[3] + c8[4] + c8[5] + c8[6] + c8[7];
         }
     }
     *hi = top[0], *lo = bottom[0];
@@ -415,14 +433,19 @@ static void tally(const double *restrict x, const double *restrict w,
         hi[l] = -INFINITY, lo[l] = INFINITY;
     const Py_ssize_t n8 = n - n % 8;
     if (!valid) {
-        for (Py_ssize_t i = 0; i < n8; i += 8)
-            for (int l = 0; l < 8; l++) {
-                const double wi = w[i + l], xi = x[i + l];
-                hi[l] = wi > hi[l] ? wi : hi[l];
-                lo[l] = wi < lo[l] ? wi : lo[l];
-                above[l] += xi > upper;
-                below[l] += xi < low;
-            }
+        v8d hi8 = load8(hi), lo8 = load8(lo);
+        v8l above8 = {0}, below8 = {0};
+        for (Py_ssize_t i = 0; i < n8; i += 8) {
+            const v8d w8 = load8(w + i), x8 = load8(x + i);
+            hi8 = select8(w8 > hi8, w8, hi8);
+            lo8 = select8(w8 < lo8, w8, lo8);
+            above8 -= x8 > upper; /* a true compare is -1 */
+            below8 -= x8 < low;
+        }
+        memcpy(hi, &hi8, sizeof hi8);
+        memcpy(lo, &lo8, sizeof lo8);
+        memcpy(above, &above8, sizeof above8);
+        memcpy(below, &below8, sizeof below8);
         for (Py_ssize_t i = n8; i < n; i++) {
             hi[0] = w[i] > hi[0] ? w[i] : hi[0];
             lo[0] = w[i] < lo[0] ? w[i] : lo[0];
