@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.malloc import collector_paused
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.metrics.stream import (
     OPTIONAL_COLUMNS,
@@ -119,9 +120,10 @@ def compute_by_step(
             if table.num_rows:
                 yield table
 
-    for whole, parts in ordered_map(lambda t: _step_partials(run, t), tables(), workers):
-        run.merge(whole)
-        steps.add(parts)
+    with collector_paused():
+        for whole, parts in ordered_map(lambda t: _step_partials(run, t), tables(), workers):
+            run.merge(whole)
+            steps.add(parts)
     check_settings(path, None, seen)
     if later:
         run.curves.read_token_ids(lambda rows: read_rows(path, rows, "token_id"))

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mismatch_probe.errors import ProbeError
+from mismatch_probe.malloc import collector_paused
 from mismatch_probe.metrics.accum import Counts
 from mismatch_probe.metrics.batch import TokenBatch, batch_from_table, int64_safe
 from mismatch_probe.metrics.config import MetricsConfig
@@ -270,8 +271,9 @@ def compute_metrics(
             if table.num_rows:
                 yield table
 
-    for part in ordered_map(lambda t: table_partial(engine, t), tables(), workers):
-        engine.merge(part)
+    with collector_paused():
+        for part in ordered_map(lambda t: table_partial(engine, t), tables(), workers):
+            engine.merge(part)
     check_settings(path, setting, seen)
     if later:
         engine.curves.read_token_ids(lambda rows: read_rows(read, rows, "token_id"))
