@@ -43,3 +43,35 @@ def _mmapped_by_a_batch_array(mode: str) -> int:
 def test_batch_sized_temporaries_come_from_the_heap() -> None:
     assert _mmapped_by_a_batch_array("default") >= 131_072 * 8  # glibc's default: mmapped
     assert _mmapped_by_a_batch_array("tuned") == 0  # kept in the heap
+
+
+def test_the_collector_is_paused_during_a_pass_and_back_after() -> None:
+    import gc
+    import threading
+
+    from mismatch_probe.malloc import collector_paused
+
+    assert gc.isenabled()
+    started, release = threading.Event(), threading.Event()
+
+    def other_pass() -> None:
+        with collector_paused():
+            started.set()
+            release.wait()
+
+    thread = threading.Thread(target=other_pass)
+    with collector_paused():
+        assert not gc.isenabled()
+        thread.start()
+        started.wait()
+    assert not gc.isenabled()  # the other pass goes on
+    release.set()
+    thread.join()
+    assert gc.isenabled()
+    gc.disable()  # off by the user: a pass leaves it off
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from mismatch_probe.errors import ProbeError
 from mismatch_probe.metrics import MetricsConfig, compute_metrics
 from mismatch_probe.metrics.batch import batch_from_table
 from mismatch_probe.metrics.stream import MetricEngine
@@ -152,3 +153,27 @@ def test_ordered_map_holds_back_new_items_over_its_budget() -> None:
     most[0] = 0
     assert list(ordered_map(work, items, width=4)) == [2 * i for i in items]
     assert most[0] == 4
+
+
+def test_token_ids_read_afterwards_equal_those_read_with_every_row(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass reads row locators in place of ``token_id`` and the worst tokens' ids after it
+    (``token_ids_later``): the same result as a pass that reads every id, on one file, on its
+    shards and for one step of an ingested store; a null id still fails as before."""
+    from mismatch_probe.metrics import stream
+
+    split_store(store, tmp_path / "tokens", 3)
+    later = [_exact(compute_metrics(p, workers=2)) for p in (store, tmp_path / "tokens")]
+    assert stream.token_ids_later(store, pq.ParquetFile(store).schema_arrow, None)
+    monkeypatch.setattr(stream, "token_ids_later", lambda *_: False)
+    assert later == [_exact(compute_metrics(p, workers=2)) for p in (store, tmp_path / "tokens")]
+    table = pq.read_table(store)
+    ids = table.column("token_id").to_numpy().astype(object)
+    ids[77] = None
+    table = table.set_column(table.column_names.index("token_id"), "token_id",
+                             pa.array(list(ids), pa.int32()))  # fmt: skip
+    pq.write_table(table, tmp_path / "nulls.parquet", row_group_size=65_536)
+    monkeypatch.undo()
+    with pytest.raises(ProbeError, match="token_id holds nulls"):
+        compute_metrics(tmp_path / "nulls.parquet")

@@ -210,3 +210,35 @@ def test_every_leaf_but_floats_is_compressed() -> None:
     assert codecs == {"seq_id": "ZSTD", "train_logprob": "UNCOMPRESSED",
                       "experts.list.element.list.element": "ZSTD",
                       "logprobs.list.element": "UNCOMPRESSED"}  # fmt: skip
+
+
+def test_row_locators_read_back_the_values_of_their_rows(tmp_path: Path) -> None:
+    """``ROW_COLUMN`` on a store of two parts, several row groups each, read whole and by row
+    groups: ``read_rows`` gives each located row's value, in the order asked."""
+    root = tmp_path / "tokens"
+    root.mkdir()
+    lengths = [5, 9, 2, 30, 7, 11, 3]
+    for part, offset in (("a", 0), ("b", 1000)):
+        table = tokens(lengths)
+        table = table.set_column(1, "seq_id", pa.array(table.column("seq_id").to_numpy() + offset))
+        table = table.set_column(5, "token_id", pa.array(np.arange(table.num_rows) * 7 + offset))
+        pq.write_table(table, root / f"{part}.parquet", row_group_size=10)
+    cols = ["seq_id", "token_id", store.ROW_COLUMN]
+    for path, groups in ((root, None), (root / "b.parquet", [1, 3])):
+        read = pa.concat_tables(store.iter_sequence_batches(path, cols, groups))
+        rows = read.column(store.ROW_COLUMN).to_pylist()
+        assert len(set(rows)) == read.num_rows
+        picked = list(np.random.default_rng(0).permutation(rows)[:12]) + rows[:1]
+        want = [read.column("token_id")[rows.index(r)].as_py() for r in picked]
+        assert store.read_rows(path, picked, "token_id") == want
+
+
+def test_null_free_reads_the_footers(tmp_path: Path) -> None:
+    table = tokens([4, 4, 4])
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=4)
+    assert store.null_free(path, "token_id")
+    ids = pa.array([1, 2, 3, 4, 5, 6, 7, 8, 9, None, 11, 12], pa.int32())
+    pq.write_table(table.set_column(5, "token_id", ids), path, row_group_size=4)
+    assert not store.null_free(path, "token_id")
+    assert store.null_free(path, "token_id", [0, 1])  # the null is in row group 2

@@ -97,11 +97,13 @@ def normalize_logprobs(
         ProbeError: a valid entry is NaN or ``+inf``.
     """
     x = np.asarray(values, dtype=np.float64)
-    if all_valid:  # one pass to check (NaN fails both comparisons), one to floor
-        if not (x < np.inf).all():
+    if all_valid:  # the largest value finds NaN (it propagates) and +inf, the smallest the floor
+        if not x.max(initial=-np.inf) < np.inf:
             raise ProbeError(
                 f"{name} holds NaN or +inf in a response token (data integrity: nonfinite_logprob)"
             )
+        if x.min(initial=0.0) >= LOGPROB_FLOOR:  # the floor changes nothing (the usual case)
+            return x.copy() if x is values else x
         return np.maximum(x, LOGPROB_FLOOR)
     bad = valid & (np.isnan(x) | (x == np.inf))
     if bad.any():

@@ -40,7 +40,7 @@ from mismatch_probe.metrics.batch import (
     valid,
     within_bound,
 )
-from mismatch_probe.metrics.parity import abs_r_stats, batch_mult
+from mismatch_probe.metrics.parity import abs_r_stats, batch_mult, valid_sum
 
 SPEC_TAUS = (1.01, 1.1, 1.5, 2.0, 5.0, 10.0)
 TAU_GRID = (1.001, 1.003, 1.01, 1.03, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 100.0)
@@ -87,7 +87,7 @@ class DiagnosticsAccumulator:
     def update(self, b: TokenBatch) -> None:
         dp_all = abs_prob_diff(b, None)
         dp, abs_lr = valid(b, dp_all), valid(b, abs_r(b, None))
-        self.sum_abs_r += float(abs_lr.sum())
+        self.sum_abs_r += valid_sum(b, "abs_r")
         self.sum_dp += float(dp.sum())
         dp_counts = thresholds(dp, IPO_EPS)
         if len(dp):

@@ -37,6 +37,13 @@ def valid_k3_sum(b: TokenBatch, _: None = None) -> float:
     return float(valid(b, batch_k3(b, None)).sum())
 
 
+@per_batch
+def valid_neg_r_sum(b: TokenBatch, _: None = None) -> float:
+    """The sum of ``rollout - train`` (``-r``) over the valid rows (``kl``'s numerator, shared
+    with the per-turn sums: ``-sum(r)``, the same number once added to a running sum)."""
+    return float(valid(b, b.rollout - b.train).sum())
+
+
 class OffPolicyAccumulator:
     """Streams kl, k3_kl, the perplexities, log-ppl differences and chi-square metrics."""
 
@@ -48,7 +55,7 @@ class OffPolicyAccumulator:
         self.sum_abs_d = self.sum_exp_d = self.sum_rho2_seq = 0.0
 
     def update(self, b: TokenBatch) -> None:
-        self.sum_neg_r += float(valid(b, b.rollout - b.train).sum())
+        self.sum_neg_r += valid_neg_r_sum(b, None)
         self.sum_k3 += valid_k3_sum(b, None)
         rho = valid(b, clamped_rho(b, None))
         self.sum_rho2 += float((rho * rho).sum())

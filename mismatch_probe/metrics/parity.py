@@ -52,6 +52,7 @@ from mismatch_probe.metrics.batch import (
     per_batch,
     seg_mean,
     valid,
+    within_bound,
 )
 from mismatch_probe.metrics.offpolicy import valid_k3_sum
 from mismatch_probe.store.arrays import numpy_of, valid_of
@@ -73,8 +74,9 @@ def first_token_rows(b: TokenBatch) -> np.ndarray:
 @per_batch
 def batch_mult(b: TokenBatch, _: None = None) -> np.ndarray:
     """``[N]`` ``mult_prob_error(r)`` (memoised: the per-turn metrics and the diagnostics'
-    ratio spread share it)."""
-    return mult_prob_error(b.r)
+    ratio spread share it): ``exp(|r|)`` where no ``|r|`` exceeds B (the clamp changes
+    nothing: the same bits)."""
+    return np.exp(abs_r(b, None)) if within_bound(b, None) else mult_prob_error(b.r)
 
 
 @per_batch
@@ -82,6 +84,16 @@ def abs_r_stats(b: TokenBatch, _: None = None) -> Thresholded:
     """The valid tokens' ``|r|``: how many exceed ``DIFFERENT_ABS_LOG_RATIO``, and the largest
     (one pass; the diagnostics share the largest)."""
     return thresholds(valid(b, abs_r(b, None)), (DIFFERENT_ABS_LOG_RATIO,))
+
+
+@per_batch
+def valid_sum(b: TokenBatch, name: str) -> float:
+    """The sum over the valid rows of ``abs_r`` or ``mult`` (``batch_mult``): each shared by
+    the modules that add it (diagnostics, parity, the per-turn sums)."""
+    return float(valid(b, _SUMMED[name](b, None)).sum())
+
+
+_SUMMED = {"abs_r": abs_r, "mult": batch_mult}
 
 
 class ParityAccumulator:
@@ -98,7 +110,7 @@ class ParityAccumulator:
         m = b.m
         r, abs_lr = valid(b, b.r), abs_r(b, None)
         mult = batch_mult(b, None)
-        self.sum_mult += float(valid(b, mult).sum())
+        self.sum_mult += valid_sum(b, "mult")
         self.sum_k3_rev += float(k3_terms(-r).sum())
         self.n_identical += count(valid(b, b.train) == valid(b, b.rollout))
         self.n_different += int(abs_r_stats(b, None).above[0])

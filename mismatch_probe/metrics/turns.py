@@ -40,10 +40,9 @@ from mismatch_probe.metrics.batch import (
     distinct_values,
     first_rows,
     first_valid_index,
-    valid,
 )
-from mismatch_probe.metrics.offpolicy import valid_k3_sum
-from mismatch_probe.metrics.parity import batch_mult
+from mismatch_probe.metrics.offpolicy import valid_k3_sum, valid_neg_r_sum
+from mismatch_probe.metrics.parity import batch_mult, valid_sum
 from mismatch_probe.store import SEQUENCES_DIR, SEQUENCES_FILE, TOKENS_DIR, TOKENS_FILE
 from mismatch_probe.store.arrays import numpy_of
 from mismatch_probe.store.dataset import part_files
@@ -77,9 +76,9 @@ class TurnAccumulator:
             if rows is None:  # every row: the run-level sums, shared with their modules
                 on_valid = b.m
                 sums["k3"] += valid_k3_sum(b, None)
-                sums["neg_r"] += float(-valid(b, r).sum())
-                sums["abs_r"] += float(valid(b, abs_lr).sum())
-                sums["mult"] += float(valid(b, mult).sum())
+                sums["neg_r"] += valid_neg_r_sum(b, None)  # -sum(r), once in a running sum
+                sums["abs_r"] += valid_sum(b, "abs_r")
+                sums["mult"] += valid_sum(b, "mult")
             else:
                 on_valid = rows & b.m
                 sums["k3"] += float(k3[on_valid].sum())

@@ -762,7 +762,9 @@ def _last_run_start(seq: Any) -> int:
 
 def _check_contiguous(seq: Any, seen: set[int], path: Path) -> None:
     """Record the sequences of a batch in ``seen``; fail if one was seen in an earlier run."""
-    starts = seq[np.r_[True, seq[1:] != seq[:-1]]].tolist()
+    first = np.ones(len(seq), dtype=bool)
+    np.not_equal(seq[1:], seq[:-1], out=first[1:])
+    starts = seq[first].tolist()
     if len(set(starts)) != len(starts) or not seen.isdisjoint(starts):
         raise ProbeError(
             f"{path}: the rows of a sequence are not contiguous; sort the file by seq_id"
