@@ -242,30 +242,31 @@ static void thresholds_loop(Py_ssize_t n, const double *restrict x, double cente
 {
     /* eight lanes per extreme and count: each lane's compares are in row order, the lanes
      * combined at the end (the extremes do not depend on the order) */
-    double v[BLOCK], top[8], bottom[8];
+    double buf[BLOCK], top[8], bottom[8];
     for (int l = 0; l < 8; l++)
         top[l] = -INFINITY, bottom[l] = INFINITY;
     const int centered = !isnan(center);
     for (Py_ssize_t start = 0; start < n; start += BLOCK) {
         const Py_ssize_t m = n - start < BLOCK ? n - start : BLOCK;
         const Py_ssize_t m8 = m - m % 8;
-        if (centered)
+        const double *v = x + start; /* the values themselves, or |x - center| computed */
+        if (centered) {
             for (Py_ssize_t i = 0; i < m; i++)
-                v[i] = fabs(x[start + i] - center);
-        else
-            for (Py_ssize_t i = 0; i < m; i++)
-                v[i] = x[start + i];
-        for (Py_ssize_t i = m; i < m8 + 8 && i < BLOCK; i++) /* the last lanes' padding */
-            v[i] = v[m - 1];
-        const Py_ssize_t mv = m8 < m ? m8 + 8 : m8; /* whole groups of 8, the last padded */
+                buf[i] = fabs(x[start + i] - center);
+            v = buf;
+        }
         v8d hi8 = load8(top), lo8 = load8(bottom);
-        for (Py_ssize_t i = 0; i < mv; i += 8) {
+        for (Py_ssize_t i = 0; i < m8; i += 8) {
             const v8d x8 = load8(v + i);
             hi8 = select8(x8 > hi8, x8, hi8);
             lo8 = select8(x8 < lo8, x8, lo8);
         }
         memcpy(top, &hi8, sizeof hi8);
         memcpy(bottom, &lo8, sizeof lo8);
+        for (Py_ssize_t i = m8; i < m; i++) {
+            top[0] = v[i] > top[0] ? v[i] : top[0];
+            bottom[0] = v[i] < bottom[0] ? v[i] : bottom[0];
+        }
         for (Py_ssize_t k = 0; k < na; k++) {
             v8l c8 = {0};
             for (Py_ssize_t i = 0; i < m8; i += 8)
