@@ -24,6 +24,7 @@
 /* Eight lanes of doubles or of int64 (GCC's vector extensions: one AVX-512 register, two AVX2
  * ones, four SSE2 ones, whichever the function's target has). A compare gives -1 (all bits)
  * where it holds. Used where the compiler does not vectorise a running maximum by itself. */
+#pragma GCC diagnostic ignored "-Wpsabi" /* the helpers below are static: no ABI to keep */
 typedef double v8d __attribute__((vector_size(64)));
 typedef int64_t v8l __attribute__((vector_size(64)));
 
