@@ -1,17 +1,32 @@
 /* _kernels: per-token loops of the metric engine, one pass where numpy makes many.
  *
+ *   curves      the log-ratio histogram, the 2-D probability histogram and the crossed
+ *               (position, probability) table with its four sums (``curves.token_tables``);
+ *   thresholds  counts of an array above and below thresholds, and its extremes
+ *               (``accum.thresholds``);
+ *   is_stats    an importance-sampling spec's weights and their sums, per batch and per
+ *               sequence (``weights.is_stats``).
+ *
  * Each function takes the batch's arrays (anything with the buffer protocol: C-contiguous
  * numpy arrays of the dtype named) and adds into output arrays it is handed, so Python keeps
- * the state. Each gives the bits of the numpy calls it replaces (``curves.py`` keeps them, for
- * a build without a C compiler, and ``tests/test_metrics_compiled.py`` compares the two):
+ * the state. Each gives the bits of the numpy calls it replaces (the callers keep those calls,
+ * for a build without a C compiler, and ``tests/test_metrics_compiled.py`` compares the two,
+ * down to the whole engine's output):
  *
- *   - a bin is found by comparisons with the same bounds numpy's code compares with, from a
- *     guess made with the same arithmetic (compiled with ``-ffp-contract=off``: no fused
- *     multiply-add);
+ *   - a bin is found by comparisons with the bounds numpy's code compares with (computed as
+ *     ``np.linspace`` computes them, or looked up), from a guess made with the same arithmetic
+ *     (compiled with ``-ffp-contract=off``: no fused multiply-add);
  *   - a bin's sum adds its values in row order, one IEEE addition at a time, as
  *     ``np.bincount(idx, weights=w)`` does; counts are integers;
+ *   - a sum over rows follows numpy's pairwise summation tree (``pairwise``), so ``x.sum()``
+ *     and ``np.add.reduceat`` give the same bits;
  *   - a value compared with a threshold is the value numpy compares (``|x - c|`` by the same
  *     two IEEE operations), and a largest or smallest value is the same whatever the order.
+ *
+ * ``-fno-trapping-math`` lets the compiler compute both sides of a select of floats (nothing
+ * here reads the floating-point exception flags), so those loops vectorise; the hot loops are
+ * built for AVX-512, AVX2 and the baseline, the one the processor runs chosen at load time
+ * (``target_clones``): each computes the same IEEE operations in the same order.
  *
  * The interpreter lock is released during each loop, so batches compute on every core.
  */
@@ -37,6 +52,14 @@ static inline v8d load8(const double *p)
 
 /* where mask: a, else b */
 static inline v8d select8(v8l mask, v8d a, v8d b) { return (v8d)(((v8l)a & mask) | ((v8l)b & ~mask)); }
+
+/* Release each of the n views that was taken (its ``obj`` set). */
+static void release(Py_buffer *const *views, int n)
+{
+    for (int k = 0; k < n; k++)
+        if (views[k]->obj)
+            PyBuffer_Release(views[k]);
+}
 
 /* A read buffer of ``n`` items of ``size`` bytes (n < 0: any length, set from the buffer). */
 static int take(Py_buffer *view, Py_ssize_t *n, Py_ssize_t size, const char *what)
@@ -220,14 +243,10 @@ static PyObject *curves(PyObject *self, PyObject *args)
                 &bins, out[0].buf, out[1].buf, out[2].buf, out[3].buf);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
-done:
-    for (int k = 0; k < 7; k++)
-        if (in[k].obj)
-            PyBuffer_Release(&in[k]);
-    Py_buffer *rest[7] = {&hb, &pe, &qe, &out[0], &out[1], &out[2], &out[3]};
-    for (int k = 0; k < 7; k++)
-        if (rest[k]->obj)
-            PyBuffer_Release(rest[k]);
+done:;
+    Py_buffer *all[14] = {&in[0], &in[1], &in[2], &in[3],  &in[4],  &in[5],  &in[6],
+                          &hb,    &pe,    &qe,    &out[0], &out[1], &out[2], &out[3]};
+    release(all, 14);
     return result;
 }
 
@@ -317,11 +336,9 @@ static PyObject *thresholds(PyObject *self, PyObject *args)
     thresholds_loop(n, x.buf, center, ab.buf, nab, be.buf, nbe, na.buf, nb.buf, &hi, &lo);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("dd", hi, lo);
-done:
+done:;
     Py_buffer *all[5] = {&x, &ab, &be, &na, &nb};
-    for (int k = 0; k < 5; k++)
-        if (all[k]->obj)
-            PyBuffer_Release(all[k]);
+    release(all, 5);
     return result;
 }
 
@@ -540,9 +557,7 @@ static PyObject *is_stats(PyObject *self, PyObject *args)
 done:
     PyMem_RawFree(scratch);
     Py_buffer *all[6] = {&raw, &seg, &val, &st, &out, &zeros};
-    for (int k = 0; k < 6; k++)
-        if (all[k]->obj)
-            PyBuffer_Release(all[k]);
+    release(all, 6);
     return result;
 }
 

@@ -688,8 +688,8 @@ def _chunks(
     """The file as tables of at most ``2 * ROW_GROUP_TOKENS`` rows (one of our row groups fits
     whole), reading one row group at a time: no read-ahead across groups, and a foreign file's
     huge row group is decoded piece by piece. Its columns are decoded in the calling thread
-    (``use_threads=False``): the batches' consumers already keep the cores busy, and Arrow's
-    pool, woken for every row group, cost more than it saved (1.5x the time of a whole read)."""
+    (``use_threads=False``): the batches' consumers (the metric pass's workers) already keep
+    every core busy, so Arrow's pool would only add threads to wake for every row group."""
     starts = _row_group_starts(pf) if part is not None else []
     for i in range(pf.num_row_groups) if row_groups is None else row_groups:
         batches = pf.iter_batches(
