@@ -293,8 +293,9 @@ def masked(
     None when a row keeps no token, unless ``empty_ok`` (``[rows]`` bool) allows it there."""
     rows = len(offsets) - 1
     keep = np.flatnonzero(mask)
-    row = np.searchsorted(offsets, keep, side="right") - 1
-    counts = np.bincount(row, minlength=rows).astype(np.int64)
+    kept_before = np.zeros(len(mask) + 1, np.int64)  # kept tokens before each flat index
+    np.cumsum(mask, out=kept_before[1:])
+    counts = kept_before[offsets[1:]] - kept_before[offsets[:-1]]
     empty = counts == 0
     if empty.any() and (empty_ok is None or not empty_ok[empty].all()):
         return None
