@@ -73,8 +73,9 @@ _pause_lock = threading.Lock()
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's automatic cycle collection off for the body (it stays as the user left it where
-    they had turned it off), back on when the last paused body ends."""
+    """Python's automatic cycle collection off for the body, back on when the last paused body
+    ends; left off where it was off when the first began (a ``gc.disable()`` made while a
+    body runs is undone when the last ends)."""
     global _paused
     with _pause_lock:
         if _paused == 0 and not gc.isenabled():

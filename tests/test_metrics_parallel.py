@@ -159,14 +159,14 @@ def test_token_ids_read_afterwards_equal_those_read_with_every_row(
     store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pass reads row locators in place of ``token_id`` and the worst tokens' ids after it
-    (``token_ids_later``): the same result as a pass that reads every id, on one file, on its
-    shards and for one step of an ingested store; a null id still fails as before."""
+    (where ``store.clean_int64_column``): the same result as a pass that reads every id, on
+    one file and on its shards; a null id still fails as before."""
     from mismatch_probe.metrics import stream
 
     split_store(store, tmp_path / "tokens", 3)
     later = [_exact(compute_metrics(p, workers=2)) for p in (store, tmp_path / "tokens")]
-    assert stream.token_ids_later(store, pq.ParquetFile(store).schema_arrow, None)
-    monkeypatch.setattr(stream, "token_ids_later", lambda *_: False)
+    assert stream.clean_int64_column([store], "token_id")
+    monkeypatch.setattr(stream, "clean_int64_column", lambda *_: False)
     assert later == [_exact(compute_metrics(p, workers=2)) for p in (store, tmp_path / "tokens")]
     table = pq.read_table(store)
     ids = table.column("token_id").to_numpy().astype(object)

@@ -225,20 +225,28 @@ def test_row_locators_read_back_the_values_of_their_rows(tmp_path: Path) -> None
         pq.write_table(table, root / f"{part}.parquet", row_group_size=10)
     cols = ["seq_id", "token_id", store.ROW_COLUMN]
     for path, groups in ((root, None), (root / "b.parquet", [1, 3])):
-        read = pa.concat_tables(store.iter_sequence_batches(path, cols, groups))
+        parts = store.part_files(path)
+        read = pa.concat_tables(store.iter_sequence_batches(path, cols, groups, parts))
         rows = read.column(store.ROW_COLUMN).to_pylist()
         assert len(set(rows)) == read.num_rows
         picked = list(np.random.default_rng(0).permutation(rows)[:12]) + rows[:1]
         want = [read.column("token_id")[rows.index(r)].as_py() for r in picked]
-        assert store.read_rows(path, picked, "token_id") == want
+        assert store.read_rows(parts, picked, "token_id") == want
 
 
-def test_null_free_reads_the_footers(tmp_path: Path) -> None:
+def test_a_clean_int64_column_by_the_footers(tmp_path: Path) -> None:
+    """Integers int64 holds, no null in the row groups read; the statistics found by the leaf
+    column's path, a list column before it counting its own leaf."""
     table = tokens([4, 4, 4])
+    table = table.add_column(0, "lists", pa.array([[1.0]] * 12))
     path = tmp_path / "t.parquet"
     pq.write_table(table, path, row_group_size=4)
-    assert store.null_free(path, "token_id")
+    assert store.clean_int64_column([path], "token_id")
     ids = pa.array([1, 2, 3, 4, 5, 6, 7, 8, 9, None, 11, 12], pa.int32())
-    pq.write_table(table.set_column(5, "token_id", ids), path, row_group_size=4)
-    assert not store.null_free(path, "token_id")
-    assert store.null_free(path, "token_id", [0, 1])  # the null is in row group 2
+    at = table.column_names.index("token_id")
+    pq.write_table(table.set_column(at, "token_id", ids), path, row_group_size=4)
+    assert not store.clean_int64_column([path], "token_id")
+    assert store.clean_int64_column([path], "token_id", [0, 1])  # the null is in group 2
+    big = pa.array(range(12), pa.uint64())
+    pq.write_table(table.set_column(at, "token_id", big), path, row_group_size=4)
+    assert not store.clean_int64_column([path], "token_id")

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,6 @@ from mismatch_probe.ingest.batches import SeqBatch, from_records
 from mismatch_probe.ingest.formats import Format, get_format
 from mismatch_probe.ingest.records import IngestConfig
 from mismatch_probe.ingest.writer import Counts, RunStoreWriter
-from mismatch_probe.malloc import collector_paused
 from mismatch_probe.store.lock import LOCK_FILE, run_lock
 
 VERL_LOG = "verl-log"  # verl's file logger: a trend run (``verl_log``), not a token format
@@ -157,10 +156,7 @@ def _ingest_into(
     model_dir, tokenizer, batches = _sources(cfg, fmt)
     run = run_metadata(cfg, fmt, off_policy, model_dir)
     writer = RunStoreWriter(tmp, run, tokenizer)
-    # the collector paused while the logs are read (no cycles among the batches' objects), not
-    # while a model rescores them (a forward pass's objects may hold some)
-    paused = nullcontext() if fmt.needs_model else collector_paused()
-    with interrupt.stage("rescoring" if fmt.needs_model else "reading"), paused:
+    with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
         try:
             for batch in batches:
                 writer.add_batch(batch)

@@ -21,7 +21,8 @@
  *   - a sum over rows follows numpy's pairwise summation tree (``pairwise``), so ``x.sum()``
  *     and ``np.add.reduceat`` give the same bits;
  *   - a value compared with a threshold is the value numpy compares (``|x - c|`` by the same
- *     two IEEE operations), and a largest or smallest value is the same whatever the order.
+ *     two IEEE operations), and a largest or smallest value is the same whatever the order
+ *     (but for the sign of a zero where both signs occur: every caller's values are >= +0).
  *
  * ``-fno-trapping-math`` lets the compiler compute both sides of a select of floats (nothing
  * here reads the floating-point exception flags), so those loops vectorise; the hot loops are
@@ -52,6 +53,17 @@ static inline v8d load8(const double *p)
 
 /* where mask: a, else b */
 static inline v8d select8(v8l mask, v8d a, v8d b) { return (v8d)(((v8l)a & mask) | ((v8l)b & ~mask)); }
+
+/* Each hot loop compiled for AVX-512, AVX2 and the baseline, the one the processor runs chosen
+ * when the module loads (GCC's function multi-versioning: x86-64 and an ELF loader's ifunc);
+ * elsewhere compiled once, for the target the compiler is given. */
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES_AVX512F __attribute__((target_clones("avx512f", "avx2", "default")))
+#define CLONES_X86_64_V4 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define CLONES_AVX512F
+#define CLONES_X86_64_V4
+#endif
 
 /* Release each of the n views that was taken (its ``obj`` set). */
 static void release(Py_buffer *const *views, int n)
@@ -95,7 +107,7 @@ typedef struct {
  *   cell2: the 2-D histogram's cell;
  *   cell: the crossed (position, rollout probability) cell, each bin the number of inner edges
  *         at or below the value (``searchsorted(edges, v, "right") - 1``, clipped). */
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+CLONES_X86_64_V4
 static void block_bins(Py_ssize_t m, const double *restrict r, const double *restrict pr,
                        const double *restrict ptr, const int64_t *restrict pos, const Bins *bins,
                        int32_t *restrict slot, int32_t *restrict cell2, int32_t *restrict cell)
@@ -254,7 +266,7 @@ done:;
  * threshold's count is one vectorisable loop over a block held in the first-level cache. */
 enum { BLOCK = 2048 };
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONES_AVX512F
 static void thresholds_loop(Py_ssize_t n, const double *restrict x, double center,
                             const double *restrict above, Py_ssize_t na,
                             const double *restrict below, Py_ssize_t nb, int64_t *restrict n_above,
@@ -346,17 +358,18 @@ done:;
  *
  * ``x.sum()`` of a contiguous float64 array is ``0.0 + pairwise(x)`` and ``np.add.reduceat``
  * gives a segment ``x[a] + pairwise(x[a + 1 : b])``, where pairwise is numpy's
- * (``loops_utils.h``): fewer than 8 values added in order from 0.0; up to 128 values in 8
+ * (``loops_utils.h``): fewer than 8 values added in order from -0.0 (so a run of -0.0 sums to
+ * -0.0); up to 128 values in 8
  * interleaved accumulators, combined ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), the rest
  * added in order; more, split in two at half rounded down to a multiple of 8. ``pairwise``
  * follows that tree exactly. */
 enum { PW_BLOCK = 128 };
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONES_AVX512F
 static double pairwise(const double *restrict x, Py_ssize_t n)
 {
     if (n < 8) {
-        double res = 0.0;
+        double res = -0.0;
         for (Py_ssize_t i = 0; i < n; i++)
             res += x[i];
         return res;
@@ -401,7 +414,7 @@ static void np_reduceat(const double *x, const int64_t *starts, Py_ssize_t ns, P
  * else 0 (IcePop), as ``weights.truncate`` computes them. Fills x (raw), w and w2 (w * w) for
  * the n rows (x: the raw weights themselves at token level without padding, else xbuf), each a
  * plain pass the compiler vectorises. */
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONES_AVX512F
 static const double *weights_of(const double *restrict raw, const int64_t *restrict seg,
                                 const uint8_t *restrict valid, double upper, double lower,
                                 Py_ssize_t n, double *restrict xbuf, double *restrict w,
@@ -438,7 +451,7 @@ typedef struct {
     int64_t above, below;
 } Tally;
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONES_AVX512F
 static void tally(const double *restrict x, const double *restrict w,
                   const uint8_t *restrict valid, double upper, double low,
                   const int64_t *restrict starts, Py_ssize_t ns, Py_ssize_t n,
@@ -503,10 +516,11 @@ static void tally(const double *restrict x, const double *restrict w,
     }
 }
 
-/* is_stats(raw, seg, valid, upper, lower, starts, seg_sums, seg_zeros) ->
+/* is_stats(raw, sequence, seg, valid, upper, lower, starts, seg_sums, seg_zeros) ->
  *     (sum_w, sum_w2, w_max, w_min, n_raw_above_upper, n_raw_below_low)
  *
- * raw: float64 [N] (seg empty) or [S] (seg: int64 [N], each row's sequence); valid: bool [N]
+ * raw: float64 [N] (token level: sequence False, seg empty) or [S] (sequence level: seg int64
+ * [N], each row's sequence); valid: bool [N]
  * or empty (no padding); lower: NaN for TIS; starts: int64 [S]. Fills seg_sums (float64
  * [3 * S]: each sequence's sum of w, of w * w and of the raw weight, as ``np.add.reduceat``)
  * and seg_zeros (float64 [S]: valid rows of weight 0). Returns ``w.sum()``, ``(w * w).sum()``,
@@ -516,9 +530,10 @@ static PyObject *is_stats(PyObject *self, PyObject *args)
 {
     Py_buffer raw, seg, val, st, out, zeros;
     double upper, lower;
+    int sequence;
     raw.obj = seg.obj = val.obj = st.obj = out.obj = zeros.obj = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*y*ddy*w*w*", &raw, &seg, &val, &upper, &lower, &st, &out,
-                          &zeros))
+    if (!PyArg_ParseTuple(args, "y*py*y*ddy*w*w*", &raw, &sequence, &seg, &val, &upper, &lower,
+                          &st, &out, &zeros))
         return NULL;
     PyObject *result = NULL;
     double *scratch = NULL;
@@ -527,8 +542,9 @@ static PyObject *is_stats(PyObject *self, PyObject *args)
         take(&val, &nval, 1, "valid") < 0 || take(&st, &ns, 8, "starts") < 0 ||
         take(&out, &nout, 8, "seg_sums") < 0 || take(&zeros, &nz, 8, "seg_zeros") < 0)
         goto done;
-    const Py_ssize_t n = nseg > 0 ? nseg : nraw, nseq = n ? ns : 0;
-    if (nout != 3 * ns || nz != ns || (nval && nval != n) || (n && ns < 1)) {
+    const Py_ssize_t n = sequence ? nseg : nraw, nseq = n ? ns : 0;
+    if (nout != 3 * ns || nz != ns || (nval && nval != n) || (n && ns < 1) ||
+        (sequence ? nraw != ns : nseg != 0)) {
         PyErr_SetString(PyExc_ValueError, "_kernels.is_stats: sizes do not match");
         goto done;
     }
@@ -544,7 +560,7 @@ static PyObject *is_stats(PyObject *self, PyObject *args)
     Tally t;
     Py_BEGIN_ALLOW_THREADS
     const double *x =
-        weights_of(raw.buf, nseg > 0 ? seg.buf : NULL, valid, upper, lower, n, scratch, w, w2);
+        weights_of(raw.buf, sequence ? seg.buf : NULL, valid, upper, lower, n, scratch, w, w2);
     sums[0] = np_sum(w, n);
     sums[1] = np_sum(w2, n);
     np_reduceat(w, starts, nseq, n, segs);
@@ -569,7 +585,8 @@ static PyMethodDef methods[] = {
     {"thresholds", thresholds, METH_VARARGS,
      "thresholds(x, center, above, below, n_above, n_below) -> (max, min)"},
     {"is_stats", is_stats, METH_VARARGS,
-     "is_stats(raw, seg, valid, upper, lower, starts, seg_sums, seg_zeros) -> (sum_w, sum_w2, "
+     "is_stats(raw, sequence, seg, valid, upper, lower, starts, seg_sums, seg_zeros) -> (sum_w, "
+     "sum_w2, "
      "w_max, w_min, n_high, n_low)"},
     {NULL, NULL, 0, NULL},
 };

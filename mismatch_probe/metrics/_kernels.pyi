@@ -28,6 +28,7 @@ def thresholds(
 ) -> tuple[float, float]: ...
 def is_stats(
     raw: Any,
+    sequence: bool,
     seg: Any,
     valid: Any,
     upper: float,

@@ -130,11 +130,6 @@ def _column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
 _FAST_INTS = (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32())
 
 
-def int64_safe(kind: pa.DataType) -> bool:
-    """True for an integer type every value of which int64 holds (``int_column``'s fast path)."""
-    return kind in _FAST_INTS
-
-
 def int_column(table: pa.Table, name: str) -> np.ndarray:
     """``[N]`` int64 values of an integer column.
 

@@ -26,7 +26,6 @@ from mismatch_probe.metrics.stream import (
     compute_metrics,
     select_setting,
     table_partial,
-    token_ids_later,
 )
 from mismatch_probe.metrics.turns import prompt_lengths, rerender_scalars
 from mismatch_probe.parallel import ordered_map
@@ -34,6 +33,7 @@ from mismatch_probe.store import (
     METRIC_COLUMNS,
     ROW_COLUMN,
     STEP_COLUMN,
+    clean_int64_column,
     iter_sequence_batches,
     open_parquet,
     read_rows,
@@ -106,14 +106,16 @@ def compute_by_step(
     if STEP_COLUMN not in names:
         raise ProbeError(f"{path} has no step column (not an ingested run)")
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
-    later = token_ids_later(path, open_parquet(path).schema_arrow, None)
+    files = part_files(path)  # listed once: the locators index them (``compute_metrics``)
+    later = "token_id" in optional and clean_int64_column(files, "token_id")
     optional = [ROW_COLUMN if c == "token_id" and later else c for c in optional]
     run = MetricEngine(config, has_flip="support_flip" in names)
     steps = _Steps(path, config, run.has_flip)
     seen: set[str] = set()
 
     def tables() -> Iterator[pa.Table]:
-        for table in iter_sequence_batches(path, [*METRIC_COLUMNS, *optional, STEP_COLUMN]):
+        columns = [*METRIC_COLUMNS, *optional, STEP_COLUMN]
+        for table in iter_sequence_batches(path, columns, parts=files):
             if on_table is not None:
                 on_table(table)
             table = select_setting(table, None, seen)
@@ -126,7 +128,7 @@ def compute_by_step(
             steps.add(parts)
     check_settings(path, None, seen)
     if later:
-        run.curves.read_token_ids(lambda rows: read_rows(path, rows, "token_id"))
+        run.curves.read_token_ids(lambda rows: read_rows(files, rows, "token_id"))
     covered = next(iter(seen)) if len(seen) == 1 else None
     result = run.result(str(path), covered, steps.lengths, rerender_scalars(path, None))
     return result, steps.finish(covered)

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.malloc import collector_paused
 from mismatch_probe.metrics.accum import Counts
-from mismatch_probe.metrics.batch import TokenBatch, batch_from_table, int64_safe
+from mismatch_probe.metrics.batch import TokenBatch, batch_from_table
 from mismatch_probe.metrics.config import MetricsConfig
 from mismatch_probe.metrics.curves import CurvesAccumulator
 from mismatch_probe.metrics.decisions import DecisionAccumulator
@@ -54,14 +54,15 @@ from mismatch_probe.store import (
     METRIC_COLUMNS,
     ROW_COLUMN,
     STEP_COLUMN,
+    clean_int64_column,
     iter_sequence_batches,
-    null_free,
     open_parquet,
     read_rows,
     resolve_tokens_path,
     step_source,
 )
 from mismatch_probe.store.arrays import numpy_of
+from mismatch_probe.store.dataset import part_files
 
 OPTIONAL_COLUMNS = (
     "support_flip",
@@ -258,13 +259,17 @@ def compute_metrics(
         read, groups = step_source(path, step)  # one part of a directory ``probe watch`` wrote
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
     optional += [STEP_COLUMN] if step is not None else []
-    later = token_ids_later(read, pf.schema_arrow, groups)
+    # token ids read afterwards (the worst tokens'), each row's locator in the pass: where the
+    # column is integers int64 holds and the footers show no null, so the pass could not have
+    # refused it (decoding every row's id took 7% of a one-worker pass of the 10M-token bench)
+    parts = part_files(read)  # listed once: the locators index them
+    later = "token_id" in optional and clean_int64_column(parts, "token_id", groups)
     optional = [ROW_COLUMN if c == "token_id" and later else c for c in optional]
     engine = MetricEngine(config, has_flip="support_flip" in names)
     seen: set[str] = set()
 
     def tables() -> Iterator[pa.Table]:
-        for table in iter_sequence_batches(read, [*METRIC_COLUMNS, *optional], groups):
+        for table in iter_sequence_batches(read, [*METRIC_COLUMNS, *optional], groups, parts):
             if step is not None:
                 table = table.filter(pc.equal(table.column(STEP_COLUMN), step))
             table = select_setting(table, setting, seen)
@@ -276,25 +281,13 @@ def compute_metrics(
             engine.merge(part)
     check_settings(path, setting, seen)
     if later:
-        engine.curves.read_token_ids(lambda rows: read_rows(read, rows, "token_id"))
+        engine.curves.read_token_ids(lambda rows: read_rows(parts, rows, "token_id"))
     covered = setting if setting is not None or len(seen) != 1 else next(iter(seen))
     source = str(path) if step is None else f"{path} step {step}"
     lengths = prompt_lengths(path, setting)
     if step is not None:  # the sequences store of an ingested run has no per-step drift
         return engine.result(source, covered, lengths)
     return engine.result(source, covered, lengths, rerender_scalars(path, setting))
-
-
-def token_ids_later(path: Path, schema: pa.Schema, groups: list[int] | None) -> bool:
-    """True when a pass over the store reads each row's locator (``store.ROW_COLUMN``) in place
-    of ``token_id`` and reads the ids of the few tokens it names afterwards (``CurvesAccumulator.
-    read_token_ids``): a ``token_id`` column of a type int64 holds, without nulls in any row
-    group read (by the footers' statistics), so the pass could not have refused it. Decoding
-    every row's token id cost the 10M-token bench a tenth of its time."""
-    names = schema.names
-    if "token_id" not in names or not int64_safe(schema.field("token_id").type):
-        return False
-    return null_free(path, "token_id", groups)
 
 
 def table_partial(engine: MetricEngine, table: pa.Table) -> MetricEngine:

@@ -95,7 +95,8 @@ def is_stats(b: TokenBatch, spec: ISSpec) -> ISStats:
     lower = math.nan if spec.lower is None else spec.lower
     seg = _EMPTY_INT if token else b.seg
     mask = _EMPTY_BOOL if b.all_valid else b.m
-    sums = kernels.is_stats(raw, seg, mask, spec.upper, lower, b.starts, seg_sums, zeros)
+    sums = kernels.is_stats(raw, not token, seg, mask, spec.upper, lower, b.starts, seg_sums,
+                            zeros)  # fmt: skip
     w_sum, w_seg, raw_seg = seg_sums.reshape(3, b.num_seqs)
     return ISStats(sums[0], sums[1], w_sum, w_seg, raw_seg, zeros, *sums[2:])
 

@@ -30,6 +30,7 @@ import shutil
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -623,7 +624,10 @@ _PART_SHIFT = 40
 
 
 def iter_sequence_batches(
-    path: Path, columns: Sequence[str] = METRIC_COLUMNS, row_groups: Sequence[int] | None = None
+    path: Path,
+    columns: Sequence[str] = METRIC_COLUMNS,
+    row_groups: Sequence[int] | None = None,
+    parts: Sequence[Path] | None = None,
 ) -> Iterator[pa.Table]:
     """Yield tables of whole sequences, a row group (or a bounded piece of one) at a time.
 
@@ -639,12 +643,14 @@ def iter_sequence_batches(
         Tables with ``columns`` (plus ``seq_id``), rows in file order: each sequence's rows
         together, sequences in order of appearance (rows are not re-sorted by position).
         With ``row_groups``, only those row groups are read (see ``step_row_groups``). With
-        ``ROW_COLUMN`` among the columns, each row's locator (int64) as that column.
+        ``ROW_COLUMN`` among the columns, each row's locator (int64) as that column, the part
+        its index in ``parts`` (default ``part_files(path)``, listed once by the caller that
+        reads the rows back with ``read_rows``: a part written meanwhile shifts no index).
     """
     cols = list(dict.fromkeys(["seq_id", *columns]))
     locate = ROW_COLUMN in cols
     cols = [c for c in cols if c != ROW_COLUMN]
-    files = [_open_part(p, cols) for p in part_files(path)]
+    files = [_open_part(p, cols) for p in (part_files(path) if parts is None else parts)]
     seen: set[int] = set()
     held: pa.Table | None = None  # rows read, not yet yielded: their last sequence may go on
     try:
@@ -708,19 +714,18 @@ def _chunks(
 
 def _row_group_starts(pf: pq.ParquetFile) -> list[int]:
     """The index of each row group's first row in the file."""
-    sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
-    return [sum(sizes[:i]) for i in range(len(sizes))]
+    sizes = (pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups))
+    return [0, *accumulate(sizes)][: pf.num_row_groups]
 
 
-def read_rows(path: Path, locators: Sequence[int], column: str) -> list[Any]:
+def read_rows(parts: Sequence[Path], locators: Sequence[int], column: str) -> list[Any]:
     """The values of ``column`` at the rows ``locators`` name (``ROW_COLUMN`` of
-    ``iter_sequence_batches`` over the same ``path``), reading only the row groups that hold
+    ``iter_sequence_batches`` over the same ``parts``), reading only the row groups that hold
     them.
 
     Raises:
         ProbeError: the store is unreadable.
     """
-    parts = part_files(path)
     wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (part, group) -> (locator, row)
     files: dict[int, tuple[pq.ParquetFile, list[int]]] = {}
     try:
@@ -737,21 +742,34 @@ def read_rows(path: Path, locators: Sequence[int], column: str) -> list[Any]:
             read = files[part][0].read_row_group(group, columns=[column]).column(column)
             values.update((locator, read[row].as_py()) for locator, row in rows)
     except (pa.ArrowException, OSError) as exc:
-        raise ProbeError(f"{path} is corrupt ({exc})") from None
+        raise ProbeError(f"{parts[0].parent} is corrupt ({exc})") from None
     return [values[locator] for locator in locators]
 
 
-def null_free(path: Path, column: str, row_groups: Sequence[int] | None = None) -> bool:
-    """True when the footers' statistics show ``column`` without nulls in every row group read
-    (False where a row group has no statistics for it)."""
-    for part in part_files(path):
+def clean_int64_column(
+    parts: Sequence[Path], column: str, row_groups: Sequence[int] | None = None
+) -> bool:
+    """True when every part holds ``column`` as integers int64 holds (any integer type but
+    uint64) and the footers' statistics show it without nulls in every row group read (False
+    where a row group has no statistics for it)."""
+    for part in parts:
         pf = _open_part(part, [column])
-        index = pf.schema_arrow.get_field_index(column)
+        kind = pf.schema_arrow.field(column).type
+        if not pa.types.is_integer(kind) or kind == pa.uint64():
+            return False
+        leaf = _leaf(pf, column)
         for i in range(pf.num_row_groups) if row_groups is None else row_groups:
-            stats = pf.metadata.row_group(i).column(index).statistics
+            stats = pf.metadata.row_group(i).column(leaf).statistics
             if stats is None or not stats.has_null_count or stats.null_count:
                 return False
     return True
+
+
+def _leaf(pf: pq.ParquetFile, column: str) -> int:
+    """The Parquet leaf column of a top-level ``column`` (its index among the footer's column
+    chunks, which counts every leaf of a list or struct before it)."""
+    layout = pf.metadata.schema
+    return next(i for i in range(len(layout)) if layout.column(i).path == column)
 
 
 def _last_run_start(seq: Any) -> int:
@@ -780,7 +798,7 @@ STEP_COLUMN = "step"
 def step_ranges(pf: pq.ParquetFile) -> list[tuple[int, int] | None]:
     """``(min, max)`` of the ``step`` column per row group, from the footer statistics (None
     where a row group has none)."""
-    index = pf.schema_arrow.get_field_index(STEP_COLUMN)
+    index = _leaf(pf, STEP_COLUMN)
     out: list[tuple[int, int] | None] = []
     for i in range(pf.num_row_groups):
         stats = pf.metadata.row_group(i).column(index).statistics
