@@ -728,21 +728,21 @@ def read_rows(parts: Sequence[Path], locators: Sequence[int], column: str) -> li
     """
     wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (part, group) -> (locator, row)
     files: dict[int, tuple[pq.ParquetFile, list[int]]] = {}
-    try:
-        for locator in dict.fromkeys(locators):
-            part, row = divmod(locator, 1 << _PART_SHIFT)
-            if part not in files:
-                pf = _open_part(parts[part], [column])
-                files[part] = (pf, _row_group_starts(pf))
-            starts = files[part][1]
-            group = max(i for i, start in enumerate(starts) if start <= row)
-            wanted.setdefault((part, group), []).append((locator, row - starts[group]))
-        values: dict[int, Any] = {}
-        for (part, group), rows in wanted.items():
+    for locator in dict.fromkeys(locators):
+        part, row = divmod(locator, 1 << _PART_SHIFT)
+        if part not in files:
+            pf = _open_part(parts[part], [column])
+            files[part] = (pf, _row_group_starts(pf))
+        starts = files[part][1]
+        group = max(i for i, start in enumerate(starts) if start <= row)
+        wanted.setdefault((part, group), []).append((locator, row - starts[group]))
+    values: dict[int, Any] = {}
+    for (part, group), rows in wanted.items():
+        try:
             read = files[part][0].read_row_group(group, columns=[column]).column(column)
-            values.update((locator, read[row].as_py()) for locator, row in rows)
-    except (pa.ArrowException, OSError) as exc:
-        raise ProbeError(f"{parts[0].parent} is corrupt ({exc})") from None
+        except (pa.ArrowException, OSError) as exc:
+            raise ProbeError(f"{parts[part]} is corrupt ({exc})") from None
+        values.update((locator, read[row].as_py()) for locator, row in rows)
     return [values[locator] for locator in locators]
 
 
