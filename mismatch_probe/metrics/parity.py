@@ -47,7 +47,6 @@ from mismatch_probe.metrics.batch import (
     clamp_b,
     count,
     first_valid_index,
-    first_valid_rows,
     k3_terms,
     per_batch,
     seg_mean,
@@ -64,11 +63,6 @@ NEMO_MULT_PROB_ERROR_LIMIT = 1.05  # NeMo-RL docs, "Adding New Models", expected
 def mult_prob_error(r: np.ndarray) -> np.ndarray:
     """Per token ``exp(clampB(|r|))`` (``>= 1``; at most ``e^20``)."""
     return np.exp(clamp_b(np.abs(r)))
-
-
-def first_token_rows(b: TokenBatch) -> np.ndarray:
-    """``[N]`` bool: the valid row of smallest position in each valid sequence."""
-    return first_valid_rows(b, None)
 
 
 @per_batch

@@ -26,14 +26,13 @@ from mismatch_probe.metrics.stream import (
     compute_metrics,
     select_setting,
     table_partial,
+    token_ids_later,
 )
 from mismatch_probe.metrics.turns import prompt_lengths, rerender_scalars
 from mismatch_probe.parallel import ordered_map
 from mismatch_probe.store import (
     METRIC_COLUMNS,
-    ROW_COLUMN,
     STEP_COLUMN,
-    clean_int64_column,
     iter_sequence_batches,
     open_parquet,
     read_rows,
@@ -106,9 +105,8 @@ def compute_by_step(
     if STEP_COLUMN not in names:
         raise ProbeError(f"{path} has no step column (not an ingested run)")
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
-    files = part_files(path)  # listed once: the locators index them (``compute_metrics``)
-    later = "token_id" in optional and clean_int64_column(files, "token_id")
-    optional = [ROW_COLUMN if c == "token_id" and later else c for c in optional]
+    files = part_files(path)  # listed once: the locators index them
+    optional, later = token_ids_later(files, optional)
     run = MetricEngine(config, has_flip="support_flip" in names)
     steps = _Steps(path, config, run.has_flip)
     seen: set[str] = set()

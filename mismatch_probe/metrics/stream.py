@@ -259,12 +259,8 @@ def compute_metrics(
         read, groups = step_source(path, step)  # one part of a directory ``probe watch`` wrote
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
     optional += [STEP_COLUMN] if step is not None else []
-    # token ids read afterwards (the worst tokens'), each row's locator in the pass: where the
-    # column is integers int64 holds and the footers show no null, so the pass could not have
-    # refused it (decoding every row's id took 7% of a one-worker pass of the 10M-token bench)
     parts = part_files(read)  # listed once: the locators index them
-    later = "token_id" in optional and clean_int64_column(parts, "token_id", groups)
-    optional = [ROW_COLUMN if c == "token_id" and later else c for c in optional]
+    optional, later = token_ids_later(parts, optional, groups)
     engine = MetricEngine(config, has_flip="support_flip" in names)
     seen: set[str] = set()
 
@@ -288,6 +284,18 @@ def compute_metrics(
     if step is not None:  # the sequences store of an ingested run has no per-step drift
         return engine.result(source, covered, lengths)
     return engine.result(source, covered, lengths, rerender_scalars(path, setting))
+
+
+def token_ids_later(
+    parts: list[Path], columns: list[str], groups: list[int] | None = None
+) -> tuple[list[str], bool]:
+    """The columns a pass reads, with each row's locator (``store.ROW_COLUMN``) in place of
+    ``token_id`` where the worst tokens' ids can be read afterwards (``read_rows``), and
+    whether they are: where every part holds the column as integers int64 holds and the
+    footers show no null, so the pass could not have refused it. Decoding every row's id took
+    7% of a one-worker pass of the 10M-token bench."""
+    later = "token_id" in columns and clean_int64_column(parts, "token_id", groups)
+    return [ROW_COLUMN if c == "token_id" and later else c for c in columns], later
 
 
 def table_partial(engine: MetricEngine, table: pa.Table) -> MetricEngine:
