@@ -1,5 +1,6 @@
-"""``store.arrays``: Arrow columns read from their buffers give ``to_numpy``'s values, and the
-metric path run in a fresh process never imports pandas (pyarrow's conversions would)."""
+"""``store.arrays``: Arrow columns read from their buffers give ``to_numpy``'s values, numpy
+arrays and strings built into Arrow columns give ``pa.array``'s, and the metric path and
+``probe ingest`` run in a fresh process never import pandas (pyarrow's conversions would)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from mismatch_probe.store.arrays import numpy_of, valid_of
+from mismatch_probe.store.arrays import arrow_of, arrow_strings, numpy_of, valid_of
 
 KINDS = [pa.int8(), pa.int32(), pa.int64(), pa.uint16(), pa.float32(), pa.float64(), pa.bool_()]
 
@@ -67,6 +68,35 @@ def test_other_types_and_unfilled_nulls_go_to_pyarrow() -> None:
     assert np.isnan(numpy_of(ints)).tolist() == [False, True, False]  # to_numpy's own NaN
 
 
+NUMERIC = [k for k in KINDS if k != pa.bool_()]
+
+
+@pytest.mark.parametrize("kind", NUMERIC, ids=str)
+@pytest.mark.parametrize("nulls", [0, 1, 13])
+def test_arrow_of_is_pa_array(kind: pa.DataType, nulls: int) -> None:
+    rng = np.random.default_rng(nulls)
+    values = rng.integers(0, 100, 29).astype(np.float64)  # cast to the kind by both
+    valid = np.ones(29, dtype=bool)
+    valid[rng.choice(29, nulls, replace=False)] = False
+    got = arrow_of(values, kind, valid)
+    want = pa.array(values.astype(np.dtype(kind.to_pandas_dtype())), kind, mask=~valid)
+    assert got.equals(want) and got.null_count == nulls and got.type == kind
+    assert arrow_of(values, kind).equals(pa.array(values, kind).cast(kind))
+    got.validate(full=True)
+    assert arrow_of(values[:0], kind).equals(pa.array([], kind))
+    with pytest.raises(TypeError):
+        arrow_of(values, pa.bool_())
+
+
+@pytest.mark.parametrize(
+    "words", [[], ["a"], [None], ["", None, "é", "a long one", None, "日本", ""], ["x"] * 9]
+)
+def test_arrow_strings_is_pa_array(words: list[str | None]) -> None:
+    got = arrow_strings(words)
+    got.validate(full=True)
+    assert got.equals(pa.array(words, pa.string())) and got.to_pylist() == words
+
+
 _NO_PANDAS = """
 import sys
 from pathlib import Path
@@ -89,3 +119,37 @@ def test_metric_path_does_not_import_pandas(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", _NO_PANDAS, str(path)], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).parents[1])  # fmt: skip
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+_INGEST_NO_PANDAS = """
+import sys
+from pathlib import Path
+import mismatch_probe.rundir as rundir
+from mismatch_probe.ingest import IngestConfig, run_ingest
+before_reports = []
+build_report = rundir.build_report
+def observed(*args, **kwargs):
+    before_reports.append("pandas" in sys.modules)
+    return build_report(*args, **kwargs)
+rundir.build_report = observed
+result = run_ingest(IngestConfig(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])))
+assert result.run["counts"]["tokens"] > 0
+print(before_reports)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["prime-rl", "nemo-rl"])
+def test_ingest_does_not_import_pandas(fmt: str, tmp_path: Path) -> None:
+    """Reading, the store and the metric pass (all of ``make bench ingest_duckdb``'s time)
+    import no pandas: the writer builds its Arrow columns from the arrays' buffers. (The
+    reports of a small run, timed apart, read its tokens through ``pyarrow.dataset``, which
+    imports it.)"""
+    pytest.importorskip("pandas")
+    from tests.ingest_fixtures import synthetic_steps, write_nemo_rl, write_prime_rl
+
+    writer = {"prime-rl": write_prime_rl, "nemo-rl": write_nemo_rl}[fmt]
+    src = writer(tmp_path / "src", synthetic_steps([1, 2], seqs=4, seed=2))
+    args = [sys.executable, "-c", _INGEST_NO_PANDAS, fmt, str(src), str(tmp_path / "run")]
+    out = subprocess.run(args, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1])  # fmt: skip
+    assert out.stdout.strip() == "[False]", out.stdout + out.stderr

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mismatch_probe import interrupt, store
 from mismatch_probe.errors import ProbeError
@@ -31,6 +31,9 @@ from mismatch_probe.ingest.formats import Format, get_format
 from mismatch_probe.ingest.records import IngestConfig
 from mismatch_probe.ingest.writer import Counts, RunStoreWriter
 from mismatch_probe.store.lock import LOCK_FILE, run_lock
+
+if TYPE_CHECKING:
+    from mismatch_probe.metrics.steps import Written
 
 VERL_LOG = "verl-log"  # verl's file logger: a trend run (``verl_log``), not a token format
 
@@ -155,23 +158,28 @@ def _ingest_into(
         off_policy = fmt.off_policy(cfg.path)  # also checks the path's layout before any work
     model_dir, tokenizer, batches = _sources(cfg, fmt)
     run = run_metadata(cfg, fmt, off_policy, model_dir)
-    writer = RunStoreWriter(tmp, run, tokenizer)
-    with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
-        try:
-            for batch in batches:
-                writer.add_batch(batch)
-        finally:
-            counts = writer.close()
-    if counts.tokens == 0:
-        raise ProbeError(f"{cfg.path}: no trained token in the chosen steps")
-    run["counts"] = _counts(counts)
-    run["mask_rules"] = counts.mask_rules()
-    store.write_json(tmp / store.RUN_FILE, run)
-    lap("store")
-    with interrupt.stage("metrics"):
-        tokens = tmp / store.TOKENS_FILE
-        metrics, steps, integrity = measure(tokens, run)
-        found = compute_attribution(tokens)  # {}: a framework's logs hold no rung
+    tokens = tmp / store.TOKENS_FILE
+    measuring = _Measuring(tokens, run)
+    writer = RunStoreWriter(tmp, run, tokenizer, on_table=measuring.put)
+    measuring.start(writer.token_schema)
+    try:
+        with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
+            try:
+                for batch in batches:
+                    writer.add_batch(batch)
+            finally:
+                counts = writer.close()
+        if counts.tokens == 0:
+            raise ProbeError(f"{cfg.path}: no trained token in the chosen steps")
+        run["counts"] = _counts(counts)
+        run["mask_rules"] = counts.mask_rules()  # before the pass ends: its integrity reads it
+        store.write_json(tmp / store.RUN_FILE, run)
+        lap("store")
+        with interrupt.stage("metrics"):
+            metrics, steps, integrity = measuring.finish()
+            found = compute_attribution(tokens)  # {}: a framework's logs hold no rung
+    finally:
+        measuring.abort()  # a no-op once finished
     lap("metrics")
     with interrupt.stage("reports"):  # the view from memory; metrics.json written once
         per_step = Steps(metrics.config.describe(), steps)
@@ -188,20 +196,24 @@ def _ingest_into(
     return run, metrics.flat(), steps, ctx, timings
 
 
-def measure(tokens: Path, run: dict[str, Any]) -> tuple[Any, dict[int, Any], Any]:
+def measure(
+    tokens: Path, run: dict[str, Any], written: Written | None = None
+) -> tuple[Any, dict[int, Any], Any]:
     """The run's metrics, each step's and the integrity findings, in one pass over the store:
     the metric engine reads each batch once (``metrics.steps.compute_by_step``, on every
     core) and hands it to the integrity checks, which run beside it in a thread of their own
-    (``metrics.integrity.compute_integrity`` on those batches)."""
+    (``metrics.integrity.compute_integrity`` on those batches). With ``written``, the batches
+    are the writer's tables as it writes them (``_Measuring``), not read back."""
     from mismatch_probe.metrics.integrity import compute_integrity
     from mismatch_probe.metrics.steps import compute_by_step
 
     batches: queue.Queue[Any] = queue.Queue(maxsize=4)
     found: dict[str, Any] = {}
+    names = None if written is None else written.schema.names
 
     def check() -> None:
         try:
-            found["integrity"] = compute_integrity(tokens, run, iter(batches.get, None))
+            found["integrity"] = compute_integrity(tokens, run, iter(batches.get, None), names)
         except BaseException as exc:  # re-raised by the caller, after the pass
             found["error"] = exc
             while batches.get() is not None:  # keep the metric pass from blocking
@@ -210,13 +222,85 @@ def measure(tokens: Path, run: dict[str, Any]) -> tuple[Any, dict[int, Any], Any
     thread = threading.Thread(target=check, name="ingest-integrity", daemon=True)
     thread.start()
     try:
-        metrics, steps = compute_by_step(tokens, on_table=batches.put)
+        metrics, steps = compute_by_step(tokens, on_table=batches.put, written=written)
     finally:
         batches.put(None)
         thread.join()
     if "error" in found:
         raise found["error"]
     return metrics, steps, found["integrity"]
+
+
+class _Aborted(Exception):
+    """The writer failed or was interrupted: the pass over its tables stops."""
+
+
+_END, _ABORT = object(), object()
+
+
+class _Measuring:
+    """``measure`` in a thread of its own, fed the token store's row groups as the writer
+    writes them (``RunStoreWriter.on_table``): the metric pass and the integrity checks run
+    while the logs are read and the store written, and no row group is read back. At most
+    ``DEPTH`` tables wait for the pass (memory: a few row groups, whatever the number of
+    steps). ``finish`` ends the tables once the store is closed and gives the pass's result;
+    ``abort`` stops the pass (the writer failed or was interrupted). An error of the pass
+    reaches the writer at its next row group (``put``), so a failed pass stops the reading."""
+
+    DEPTH = 4
+
+    def __init__(self, tokens: Path, run: dict[str, Any]) -> None:
+        self.tokens, self.run = tokens, run
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
+        self.out: dict[str, Any] = {}
+        self.ended = False  # the pass took _END or _ABORT: nothing more will be put
+        self.thread: threading.Thread | None = None
+
+    def start(self, schema: Any) -> None:
+        from mismatch_probe.metrics.steps import Written
+
+        written = Written(schema, self._tables())
+        self.thread = threading.Thread(
+            target=self._run, args=(written,), name="ingest-metrics", daemon=True
+        )
+        self.thread.start()
+
+    def put(self, table: Any) -> None:
+        if "error" in self.out:
+            raise self.out["error"]
+        self.queue.put(table)
+
+    def finish(self) -> tuple[Any, dict[int, Any], Any]:
+        self._stop(_END)
+        if "error" in self.out:
+            raise self.out["error"]
+        return self.out["result"]  # type: ignore[no-any-return]
+
+    def abort(self) -> None:
+        self._stop(_ABORT)
+
+    def _stop(self, sentinel: object) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            return
+        self.queue.put(sentinel)
+        self.thread.join()
+
+    def _tables(self) -> Iterator[Any]:
+        while (item := self.queue.get()) is not _END:
+            if item is _ABORT:
+                self.ended = True
+                raise _Aborted
+            yield item
+        self.ended = True
+
+    def _run(self, written: Written) -> None:
+        try:
+            self.out["result"] = measure(self.tokens, self.run, written)
+        except BaseException as exc:  # re-raised in the writer's thread
+            self.out["error"] = exc
+            while not self.ended:  # the writer's puts must not block
+                item = self.queue.get()
+                self.ended = item is _END or item is _ABORT
 
 
 def _sources(cfg: IngestConfig, fmt: Format) -> tuple[Path | None, Any, Iterator[SeqBatch]]:

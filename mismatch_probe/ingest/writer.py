@@ -22,6 +22,7 @@ prompt and step.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from mismatch_probe import store
 from mismatch_probe.errors import ProbeError
 from mismatch_probe.ingest.batches import SeqBatch, batch_of, segment_turns
 from mismatch_probe.ingest.records import SeqRecord
+from mismatch_probe.store.arrays import arrow_of, arrow_strings
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 _FIELDS = {f.name: f for f in store.TOKEN_SCHEMA}
@@ -96,10 +98,14 @@ class RunStoreWriter:
         tokenizer: Any = None,
         first_seq: int = 0,
         first_prompt: int = 0,
+        on_table: Callable[[pa.Table], None] | None = None,
     ) -> None:
         """``first_seq``/``first_prompt``: the first ids to give (``probe watch`` writes one
-        store per step, its ids following the earlier steps')."""
+        store per step, its ids following the earlier steps'); ``on_table`` is handed each
+        row group of the token store once written (``probe ingest`` measures them as they
+        come: ``store.written_sequence_batches``)."""
         self.tokenizer = tokenizer
+        self.on_table = on_table
         meta = {store.META_KEY: json.dumps(run, sort_keys=True, default=str),
                 store.VERSION_KEY: store.SCHEMA_VERSION}  # fmt: skip
         self.token_schema = token_schema(tokenizer is not None).with_metadata(meta)
@@ -192,25 +198,30 @@ class RunStoreWriter:
         lengths = cat["lengths"]
         token_ids = cat["token_id"].astype(np.int32)
         rollout, train = cat["rollout"], cat["train"]
-        columns: dict[str, Any] = {
-            "step": np.repeat(cat["step"], lengths),
-            "seq_id": np.repeat(cat["seq_id"], lengths),
-            "prompt_id": np.repeat(cat["prompt_id"], lengths),
-            "sample_id": np.repeat(cat["sample_id"].astype(np.int32), lengths),
-            "position": cat["position"].astype(np.int32),
-            "token_id": token_ids,
+        n = len(token_ids)
+        columns: dict[str, pa.Array] = {  # from the arrays' buffers: no pa.array, no pandas
+            "step": arrow_of(np.repeat(cat["step"], lengths), pa.int64()),
+            "seq_id": arrow_of(np.repeat(cat["seq_id"], lengths), pa.int64()),
+            "prompt_id": arrow_of(np.repeat(cat["prompt_id"], lengths), pa.int64()),
+            "sample_id": arrow_of(np.repeat(cat["sample_id"], lengths), pa.int32()),
+            "position": arrow_of(cat["position"], pa.int32()),
+            "token_id": arrow_of(token_ids, pa.int32()),
             "rollout_logprob": _nullable(rollout),
             "train_logprob": _nullable(train),
-            "train_entropy": pa.nulls(len(token_ids), pa.float32()),
-            "turn": cat["turn"].astype(np.int32),
+            "train_entropy": pa.nulls(n, pa.float32()),
+            "turn": arrow_of(cat["turn"], pa.int32()),
         }
         if self.tokenizer is not None:
             from mismatch_probe.prompts import decode_tokens
 
-            columns["token_text"] = decode_tokens(self.tokenizer, token_ids)
-        self.tokens.write_table(pa.table(columns, schema=self.token_schema))
+            columns["token_text"] = arrow_strings(decode_tokens(self.tokenizer, token_ids))
+        schema = self.token_schema
+        table = pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
+        self.tokens.write_table(table)
+        if self.on_table is not None:
+            self.on_table(table)
         self.seqs.write_table(self._sequence_table(cat))
-        self.counts.tokens += len(token_ids)
+        self.counts.tokens += n
         self.counts.null_logprobs += int((~np.isfinite(rollout) | ~np.isfinite(train)).sum())
         self.buffer, self.buffered = [], 0
 
@@ -218,19 +229,18 @@ class RunStoreWriter:
         first = np.concatenate([[0], np.cumsum(cat["lengths"])[:-1]]).astype(np.int64)
         turns = cat["turn"]
         num_turns = np.maximum.reduceat(turns, first) + 1 if len(turns) else turns
-        return pa.table(
-            {
-                "step": cat["step"],
-                "seq_id": cat["seq_id"],
-                "prompt_id": cat["prompt_id"],
-                "sample_id": cat["sample_id"].astype(np.int32),
-                "prompt_key": [k for p in self.buffer for k in p.prompt_keys()],
-                "source": [s for p in self.buffer for s in p.sources()],
-                "response_length": cat["lengths"].astype(np.int32),
-                "num_turns": num_turns.astype(np.int32),
-            },
-            schema=self.seqs.schema,
-        )
+        columns = {
+            "step": arrow_of(cat["step"], pa.int64()),
+            "seq_id": arrow_of(cat["seq_id"], pa.int64()),
+            "prompt_id": arrow_of(cat["prompt_id"], pa.int64()),
+            "sample_id": arrow_of(cat["sample_id"], pa.int32()),
+            "prompt_key": arrow_strings([k for p in self.buffer for k in p.prompt_keys()]),
+            "source": arrow_strings([s for p in self.buffer for s in p.sources()]),
+            "response_length": arrow_of(cat["lengths"], pa.int32()),
+            "num_turns": arrow_of(num_turns, pa.int32()),
+        }
+        schema = self.seqs.schema
+        return pa.Table.from_arrays([columns[n] for n in schema.names], schema=schema)
 
     def close(self) -> Counts:
         self.flush()
@@ -313,4 +323,4 @@ def _nullable(values: np.ndarray) -> pa.Array:
     bound = float(np.finfo(np.float32).max)
     with np.errstate(invalid="ignore"):
         narrow = np.clip(values, -bound, bound).astype(np.float32)
-    return pa.array(narrow, pa.float32(), mask=~np.isfinite(values))
+    return arrow_of(narrow, pa.float32(), valid=np.isfinite(values))

@@ -549,7 +549,10 @@ def _columns(table: pa.Table) -> tuple[np.ndarray, ...]:
 
 
 def compute_integrity(
-    path: Path | str, run: Mapping[str, Any] | None = None, tables: Iterable[pa.Table] | None = None
+    path: Path | str,
+    run: Mapping[str, Any] | None = None,
+    tables: Iterable[pa.Table] | None = None,
+    names: Sequence[str] | None = None,
 ) -> Integrity:
     """Every integrity check of a token store in one streaming pass (per step when the store
     has a ``step`` column).
@@ -561,10 +564,13 @@ def compute_integrity(
         tables: the store's batches as ``store.iter_sequence_batches`` yields them (with at
             least these columns), when the caller reads them anyway (``probe ingest``'s one
             pass); None: read here.
+        names: the store's columns, given with ``tables`` handed over while the store is
+            written (``metrics.steps.Written``); None: read from its footer.
     """
     run = run or {}
     path = resolve_tokens_path(Path(path))
-    names = open_parquet(path).schema_arrow.names
+    if names is None:
+        names = open_parquet(path).schema_arrow.names
     has_step = STEP_COLUMN in names
     extra = [c for c in ("support_flip", STEP_COLUMN) if c in names]
     columns = [*METRIC_COLUMNS, *extra]

@@ -8,7 +8,8 @@ on every core), equal to ``compute_metrics(..., step=N)`` of each step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from mismatch_probe.store import (
     read_rows,
     resolve_tokens_path,
     step_ranges,
+    written_sequence_batches,
 )
 from mismatch_probe.store.dataset import part_files
 
@@ -82,11 +84,22 @@ def compute_step_metrics(
     return compute_by_step(path, config)[1]
 
 
+@dataclass(frozen=True)
+class Written:
+    """A token store handed over by its writer as it writes it (``probe ingest``): its
+    ``schema`` and its row groups' ``tables``, each once written; the file is complete when
+    they end. Its sequences store holds no ``prompt_length`` (an ingest's does not)."""
+
+    schema: pa.Schema
+    tables: Iterable[pa.Table]
+
+
 def compute_by_step(
     path: Path | str,
     config: MetricsConfig | None = None,
     workers: int | None = None,
     on_table: Callable[[pa.Table], None] | None = None,
+    written: Written | None = None,
 ) -> tuple[MetricsResult, dict[int, dict[str, float]]]:
     """The run's metrics and each step's flat metrics, in one pass over the store.
 
@@ -97,23 +110,32 @@ def compute_by_step(
     step's engine is finished as soon as a batch of a later step arrives (memory: the steps in
     flight, whatever the number of steps); a step seen again after that (a foreign writer's
     unordered steps) is computed on its own at the end. ``on_table`` sees each batch as read
-    (``probe ingest`` feeds the integrity checks with it).
+    (``probe ingest`` feeds the integrity checks with it). With ``written``, the batches are
+    cut from the tables as written (``store.written_sequence_batches``: the same batches) and
+    ``path`` is read only once they end.
     """
     config = config or MetricsConfig()
     path = resolve_tokens_path(Path(path))
-    names = open_parquet(path).schema_arrow.names
+    names = (open_parquet(path).schema_arrow if written is None else written.schema).names
     if STEP_COLUMN not in names:
         raise ProbeError(f"{path} has no step column (not an ingested run)")
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
-    files = part_files(path)  # listed once: the locators index them
-    optional, later = token_ids_later(files, optional)
+    batches: Iterable[pa.Table]
+    if written is None:
+        files = part_files(path)  # listed once: the locators index them
+        optional, later = token_ids_later(files, optional)  # the worst tokens' ids: after
+        columns = [*METRIC_COLUMNS, *optional, STEP_COLUMN]
+        batches = iter_sequence_batches(path, columns, parts=files)
+    else:  # every column in the tables: the token ids too
+        files, later = [], False
+        columns = [*METRIC_COLUMNS, *optional, STEP_COLUMN]
+        batches = written_sequence_batches(written.tables, columns, path)
     run = MetricEngine(config, has_flip="support_flip" in names)
-    steps = _Steps(path, config, run.has_flip)
+    steps = _Steps(path, config, run.has_flip, None if written else prompt_lengths(path, None))
     seen: set[str] = set()
 
     def tables() -> Iterator[pa.Table]:
-        columns = [*METRIC_COLUMNS, *optional, STEP_COLUMN]
-        for table in iter_sequence_batches(path, columns, parts=files):
+        for table in batches:
             if on_table is not None:
                 on_table(table)
             table = select_setting(table, None, seen)
@@ -135,12 +157,14 @@ def compute_by_step(
 class _Steps:
     """The per-step engines in flight and the steps' finished flat metrics."""
 
-    def __init__(self, path: Path, config: MetricsConfig, has_flip: bool) -> None:
+    def __init__(
+        self, path: Path, config: MetricsConfig, has_flip: bool, lengths: dict[int, int] | None
+    ) -> None:
         self.path, self.config, self.has_flip = path, config, has_flip
         self.open: dict[int, MetricEngine] = {}
         self.done: dict[int, dict[str, float]] = {}
         self.again: set[int] = set()  # finished steps seen again: computed on their own
-        self.lengths = prompt_lengths(path, None)
+        self.lengths = lengths  # prompt lengths (``turns.prompt_lengths``)
 
     def add(self, parts: list[tuple[int, MetricEngine]]) -> None:
         for step in [s for s in self.open if s < min(p[0] for p in parts)]:

@@ -28,7 +28,7 @@ import os
 import secrets
 import shutil
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from itertools import accumulate
 from pathlib import Path
@@ -477,7 +477,7 @@ def _leaves(schema: pa.Schema) -> list[tuple[str, bool]]:
     """Each Parquet leaf column of ``schema`` (``name``, ``name.list.element``, ...: the paths
     a per-column option is keyed by) and whether it holds floats, as pyarrow writes them."""
     buffer = pa.BufferOutputStream()
-    pq.write_table(schema.empty_table(), buffer)
+    pq.write_table(pa.Table.from_batches([], schema=schema), buffer)  # empty_table: pandas
     layout = pq.ParquetFile(pa.BufferReader(buffer.getvalue())).metadata.schema
     leaves = (layout.column(i) for i in range(len(layout)))
     return [(c.path, c.physical_type in ("FLOAT", "DOUBLE")) for c in leaves]
@@ -651,8 +651,6 @@ def iter_sequence_batches(
     locate = ROW_COLUMN in cols
     cols = [c for c in cols if c != ROW_COLUMN]
     files = [_open_part(p, cols) for p in (part_files(path) if parts is None else parts)]
-    seen: set[int] = set()
-    held: pa.Table | None = None  # rows read, not yet yielded: their last sequence may go on
     try:
         if row_groups is not None and len(files) > 1:
             raise ProbeError(f"{path}: row groups (one training step) of a sharded store")
@@ -661,28 +659,54 @@ def iter_sequence_batches(
             for part, pf in enumerate(files)
             for chunk in _chunks(pf, cols, row_groups, part if locate else None)
         )
-        for group in chunks:
-            if group.num_rows == 0:
-                continue
-            if held is None:
-                held = group
-                continue
-            seq = numpy_of(held.column("seq_id"))
-            if seq[-1] != group.column("seq_id")[0].as_py():  # held ends on a whole sequence
-                _check_contiguous(seq, seen, path)
-                yield held
-                held = group
-                continue
-            tail_start = _last_run_start(seq)  # the last sequence goes on in this group
-            if tail_start:
-                _check_contiguous(seq[:tail_start], seen, path)
-                yield held.slice(0, tail_start)
-            held = pa.concat_tables([held.slice(tail_start), group])
-        if held is not None:
-            _check_contiguous(numpy_of(held.column("seq_id")), seen, path)
-            yield held
+        yield from _whole_sequences(chunks, path)
     except (pa.ArrowException, OSError) as exc:
         raise ProbeError(f"{path} is corrupt ({exc})") from None
+
+
+def written_sequence_batches(
+    tables: Iterable[pa.Table], columns: Sequence[str], path: Path
+) -> Iterator[pa.Table]:
+    """``iter_sequence_batches(path, columns)`` of a file being written, from the tables its
+    writer writes (each one row group, at most 1Mi rows, pyarrow's default), as they are
+    written: the same tables, cut where reading the file back would cut them (``_chunks``:
+    slices of ``2 * ROW_GROUP_TOKENS`` rows, which divides 1Mi), so that a pass over these
+    gives the numbers a pass over the file gives. No ``ROW_COLUMN``: the tables hold every
+    column."""
+    cols = list(dict.fromkeys(["seq_id", *columns]))
+    size = 2 * ROW_GROUP_TOKENS
+    chunks = (
+        table.select(cols).slice(start, size)
+        for table in tables
+        for start in range(0, table.num_rows, size)
+    )
+    yield from _whole_sequences(chunks, path)
+
+
+def _whole_sequences(chunks: Iterable[pa.Table], path: Path) -> Iterator[pa.Table]:
+    """The rows of ``chunks`` as tables of whole sequences (``iter_sequence_batches``)."""
+    seen: set[int] = set()
+    held: pa.Table | None = None  # rows read, not yet yielded: their last sequence may go on
+    for group in chunks:
+        if group.num_rows == 0:
+            continue
+        if held is None:
+            held = group
+            continue
+        seq = numpy_of(held.column("seq_id"))
+        if seq[-1] != group.column("seq_id")[0].as_py():  # held ends on a whole sequence
+            _check_contiguous(seq, seen, path)
+            yield held
+            held = group
+            continue
+        tail_start = _last_run_start(seq)  # the last sequence goes on in this group
+        if tail_start:
+            _check_contiguous(seq[:tail_start], seen, path)
+            yield held.slice(0, tail_start)
+        held = pa.concat_tables([held.slice(tail_start), group])
+    if held is not None:
+        _check_contiguous(numpy_of(held.column("seq_id")), seen, path)
+        yield held
 
 
 def _chunks(

@@ -1,15 +1,17 @@
-"""Arrow columns as numpy arrays, read from their buffers.
+"""Arrow columns as numpy arrays, read from their buffers, and numpy arrays as Arrow columns.
 
 pyarrow's own conversions (``to_numpy``, ``np.asarray`` of an Arrow array, ``pa.array`` of
 numpy values, ``pa.scalar``, a compute call given a Python scalar) import pandas the first
 time one runs in a process: a fixed cost of every fresh ``probe metrics`` or ``probe ingest``
-that no stage needs (``make bench metrics_duckdb`` records whether it was paid,
-``pandas_imported``; ``tests/test_store_arrays.py`` checks that it is not). The stages on
-the store's path call these helpers instead; values and dtypes are those ``to_numpy`` gives.
+that no stage needs (``make bench metrics_duckdb`` and ``ingest_duckdb`` record whether it
+was paid, ``pandas_imported``; ``tests/test_store_arrays.py`` checks that it is not). The
+stages on the store's path call these helpers instead: ``numpy_of`` gives ``to_numpy``'s
+values and dtypes, ``arrow_of`` and ``arrow_strings`` the arrays ``pa.array`` would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,10 +54,39 @@ def numpy_of(values: pa.Array | pa.ChunkedArray, null: Any = None) -> np.ndarray
     return np.where(valid_of(values), data, np.asarray(null, dtype=dtype))
 
 
+def arrow_of(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
+    """An Arrow array of ``kind`` (a numeric type) holding numpy ``values`` (cast to its
+    dtype), from their buffer: ``pa.array(values, kind, mask=~valid)`` without ``pa.array``.
+    ``valid``: ``[N]`` bool, null where False (None: no null)."""
+    if kind == pa.bool_():
+        raise TypeError("arrow_of: Arrow packs booleans in bits, not numpy's bytes")
+    data = np.ascontiguousarray(values, dtype=_NUMPY[kind])
+    bitmap, nulls = None, 0
+    if valid is not None:
+        nulls = len(data) - int(np.count_nonzero(valid))
+        if nulls:
+            bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.Array.from_buffers(kind, len(data), [bitmap, pa.py_buffer(data)], null_count=nulls)
+
+
 def arrow_int64(values: np.ndarray) -> pa.Array:
     """An int64 Arrow array of a numpy array's values, from its buffer (no ``pa.array``)."""
-    data = np.ascontiguousarray(values, dtype=np.int64)
-    return pa.Array.from_buffers(pa.int64(), len(data), [None, pa.py_buffer(data)])
+    return arrow_of(values, pa.int64())
+
+
+def arrow_strings(values: Sequence[str | None]) -> pa.Array:
+    """A string Arrow array of ``values`` (None: null), built from one UTF-8 buffer and its
+    offsets: ``pa.array(values, pa.string())`` without ``pa.array``."""
+    encoded = [b"" if v is None else v.encode() for v in values]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise ValueError("arrow_strings: more than 2 GiB of text in one array")
+    valid = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+    nulls = len(values) - int(np.count_nonzero(valid))
+    bitmap = pa.py_buffer(np.packbits(valid, bitorder="little")) if nulls else None
+    buffers = [bitmap, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))]
+    return pa.Array.from_buffers(pa.string(), len(values), buffers, null_count=nulls)
 
 
 def valid_of(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
