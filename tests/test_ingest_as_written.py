@@ -115,3 +115,73 @@ def test_bad_input_late_stops_the_pass(tmp_path: Path) -> None:
         run_ingest(IngestConfig("prime-rl", src, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
     assert not _threads()
+
+
+def _open_under(root: Path) -> list[str]:
+    """Files under ``root`` this process still holds open."""
+    fds = Path("/proc/self/fd")
+    if not fds.is_dir():
+        pytest.skip("no /proc/self/fd to list open files on this system")
+    targets = []
+    for fd in fds.iterdir():
+        try:
+            targets.append(str(fd.readlink()))
+        except OSError:
+            continue
+    return [t for t in targets if t.startswith(str(root))]
+
+
+def test_an_interrupt_while_reading_stops_the_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt (``interrupt.Interrupted``, a BaseException) in the reading, with tables
+    waiting for the pass: it propagates, the pass stops without computing them, both files
+    are closed and removed, no thread is left."""
+    from mismatch_probe.ingest.writer import RunStoreWriter
+    from mismatch_probe.interrupt import Interrupted
+
+    monkeypatch.setattr(store, "ROW_GROUP_TOKENS", ROW_GROUP)
+    src = write_prime_rl(tmp_path / "src", _steps(seed=5))
+    add = RunStoreWriter.add_batch
+    batches = []
+
+    def interrupted(self, batch):  # type: ignore[no-untyped-def]
+        batches.append(batch.step)
+        if len(batches) == 3:
+            raise Interrupted(2, "reading")
+        return add(self, batch)
+
+    monkeypatch.setattr(RunStoreWriter, "add_batch", interrupted)
+    with pytest.raises(Interrupted):
+        run_ingest(IngestConfig("prime-rl", src, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    assert not _open_under(tmp_path) and not _threads()
+
+
+def test_a_failing_pass_closes_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass's error raised in the writer's thread, at a row group: the writer writes
+    nothing twice and closes both files."""
+    monkeypatch.setattr(store, "ROW_GROUP_TOKENS", ROW_GROUP)
+    src = write_prime_rl(tmp_path / "src", _steps(seed=6))
+
+    def failing(engine, table):  # type: ignore[no-untyped-def]
+        raise ProbeError("the pass failed at once")
+
+    monkeypatch.setattr(steps_module, "_step_partials", failing)
+    with pytest.raises(ProbeError, match="failed at once"):
+        run_ingest(IngestConfig("prime-rl", src, tmp_path / "run"))
+    assert not _open_under(tmp_path) and not _threads()
+
+
+def test_no_trained_token_ends_the_pass(tmp_path: Path) -> None:
+    """Every sample masked out (NeMo-RL's ``sample_loss_mask`` 0): no row group reaches the
+    pass; the error names the path, no thread is left."""
+    src = write_nemo_rl(tmp_path / "src", _steps(seed=7))
+    for file in src.glob("*.jsonl"):
+        text = file.read_text()
+        assert '"sample_loss_mask": [1.0]' in text
+        file.write_text(text.replace('"sample_loss_mask": [1.0]', '"sample_loss_mask": [0.0]'))
+    with pytest.raises(ProbeError, match="no trained token"):
+        run_ingest(IngestConfig("nemo-rl", src, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    assert not _open_under(tmp_path) and not _threads()

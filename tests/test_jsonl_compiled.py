@@ -65,6 +65,16 @@ def _reprs(rng: random.Random, n: int) -> dict[str, list[str]]:
             text = format((Decimal(x) + Decimal(math.nextafter(x, math.inf))) / 2, "f")
         return text[: rng.randint(18, min(len(text), 40))]
 
+    def near_two_53() -> str:  # mantissas about 2^53, where the fast path hands over
+        digits = str(2**53 + rng.randint(-3, 3))
+        cut = rng.randint(1, len(digits))
+        text = digits[:cut] + ("." + digits[cut:] if digits[cut:] else "")
+        return rng.choice(["", "-"]) + text
+
+    def leading_zeros() -> str:  # 0.000ddd: up to and past the fast path's 19 digits
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 17)))
+        return rng.choice(["", "-"]) + "0." + "0" * rng.randint(0, 6) + digits
+
     def float32() -> str:
         return repr(struct.unpack("f", struct.pack("f", rng.uniform(-30.0, 0.0)))[0])
 
@@ -75,6 +85,8 @@ def _reprs(rng: random.Random, n: int) -> dict[str, list[str]]:
         "decimals": [decimal() for _ in range(n)],
         "near halfway": [halfway() for _ in range(n)],
         "rounded": [f"{rng.uniform(-30.0, 0.0):.6f}" for _ in range(n)],
+        "about 2^53": [near_two_53() for _ in range(n)],
+        "leading zeros": [leading_zeros() for _ in range(n)],
     }
 
 

@@ -23,6 +23,8 @@
  *     rounding to 64 bits) and the rounding to a double, which is exact unless the extended
  *     result lies on a halfway point between two doubles; any other number, and that case,
  *     through PyOS_string_to_double, Python's own ``float`` (holding the interpreter lock);
+ *     a list's plain decimal of up to 19 digits with a mantissa up to 2^53 (most log-probs)
+ *     takes a shorter path to the same one operation (``fast_float``; ids: ``fast_int``);
  *   - an integer of more than MAX_INT_DIGITS digits anywhere is left to the slower reader
  *     (``json``'s int() refuses more than sys.get_int_max_str_digits(), 640 at the least);
  *   - an integer in a float list is its value as a double (``-0`` is 0.0, as for ``json``,
@@ -466,6 +468,97 @@ static inline int list_item(cursor_t *c, field_t *f)
     return buf_push(&f->values, &v, sizeof v);
 }
 
+/* The common items of number lists, on a fast path that gives what ``list_item`` gives: a
+ * plain decimal (no exponent) of at most FAST_DIGITS digits, leading zeros included, followed
+ * by a delimiter. A float's value is then one IEEE operation on exact operands (a mantissa up
+ * to 2^53, a power of ten up to 10^19): the double nearest the decimal, as every path of
+ * ``to_double`` gives. Anything else (null, NaN, an exponent, more digits, text that is not
+ * one JSON number) returns 1 with nothing consumed: ``list_item`` reads it, or bails. */
+#define FAST_DIGITS 19 /* 10^19 - 1 < 2^64: the mantissa cannot overflow */
+
+static inline int delimiter(unsigned char ch)
+{
+    return ch == ',' || ch == ']' || ch == '}' || ch == ' ' || ch == '\t';
+}
+
+/* The digits at p: the mantissa accumulated, the pointer past them (no bound needed: see
+ * ``scan_number``). Sets *count to the digits read; past FAST_DIGITS it stops counting (the
+ * caller leaves the number to ``list_item``; the mantissa may have wrapped). Eight digits at
+ * a time (SWAR) measured no faster here: most runs are of one to six digits. */
+static inline const unsigned char *digits_of(const unsigned char *p, uint64_t *m, int *count)
+{
+    uint64_t v = *m;
+    int n = *count;
+    for (; is_digit(*p) && n <= FAST_DIGITS; p++, n++)
+        v = v * 10 + (uint64_t)(*p - '0');
+    *m = v;
+    *count = n;
+    return p;
+}
+
+static inline int fast_float(cursor_t *c, field_t *f)
+{
+    const unsigned char *p = c->p;
+    int negative = *p == '-';
+    p += negative;
+    if (!is_digit(*p))
+        return 1;
+    uint64_t m = 0;
+    int count = 0, fraction = 0, is_int = 1;
+    if (*p == '0')
+        p++, count++; /* "0", "0.5": a leading zero, not "01" (the delimiter test below) */
+    else
+        p = digits_of(p, &m, &count);
+    if (*p == '.') {
+        const unsigned char *start = ++p;
+        p = digits_of(p, &m, &count);
+        fraction = (int)(p - start);
+        is_int = 0;
+        if (!fraction)
+            return 1;
+    }
+    if (count > FAST_DIGITS || m > (1ULL << 53) || !delimiter(*p))
+        return 1;
+    double d = (double)m;
+    if (m == 0) /* the integer -0 is json's int 0: 0.0; "-0.0" is -0.0 */
+        d = (negative && !is_int) ? -0.0 : 0.0;
+    else
+        d = negative ? -(d / P10[fraction]) : d / P10[fraction];
+    c->p = p;
+    return buf_push(&f->values, &d, sizeof d);
+}
+
+static inline int fast_int(cursor_t *c, field_t *f)
+{
+    const unsigned char *p = c->p;
+    int negative = *p == '-';
+    p += negative;
+    if (!is_digit(*p))
+        return 1;
+    uint64_t m = 0;
+    int count = 0;
+    if (*p == '0')
+        p++;
+    else
+        p = digits_of(p, &m, &count);
+    if (count > 18 || !delimiter(*p)) /* up to 18 digits fit int64, as list_item takes */
+        return 1;
+    int64_t v = negative ? -(int64_t)m : (int64_t)m;
+    c->p = p;
+    return buf_push(&f->values, &v, sizeof v);
+}
+
+/* One element of a named list field, on the fast path where it applies. */
+static inline int list_element(cursor_t *c, field_t *f)
+{
+    int status = 1;
+    if (f->kind == K_FLOAT_LIST)
+        status = fast_float(c, f);
+    else if (f->kind == K_INT_LIST)
+        status = fast_int(c, f);
+    return status == 1 ? list_item(c, f) : status;
+}
+
 static int bracket(cursor_t *c, unsigned char ch)
 {
     if (c->p >= c->end || *c->p != ch)
@@ -506,7 +599,7 @@ static int unwrapped_value(cursor_t *c, field_t *f)
     for (int next = opened(c, '[', ']'); next != 1;) {
         if (next < 0)
             return next;
-        int status = list_item(c, f);
+        int status = list_element(c, f);
         if (status)
             return status;
         f->count++;

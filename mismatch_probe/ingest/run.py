@@ -45,7 +45,9 @@ class IngestResult:
     metrics: dict[str, float]
     steps: dict[int, dict[str, float]]
     report: Any  # report.RunContext
-    # seconds of each stage: "store" (read and write), "metrics" (with integrity), "reports"
+    # seconds of each stage: "store" (read the logs and write the store, the metric pass and
+    # the integrity checks running beside it on the row groups written), "metrics" (the
+    # pass's rest once the store is closed), "reports"
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -161,10 +163,10 @@ def _ingest_into(
     tokens = tmp / store.TOKENS_FILE
     measuring = _Measuring(tokens, run)
     writer = RunStoreWriter(tmp, run, tokenizer, on_table=measuring.put)
-    measuring.start(writer.token_schema)
     try:
         with interrupt.stage("rescoring" if fmt.needs_model else "reading"):
             try:
+                measuring.start(writer.token_schema)
                 for batch in batches:
                     writer.add_batch(batch)
             finally:
@@ -172,7 +174,8 @@ def _ingest_into(
         if counts.tokens == 0:
             raise ProbeError(f"{cfg.path}: no trained token in the chosen steps")
         run["counts"] = _counts(counts)
-        run["mask_rules"] = counts.mask_rules()  # before the pass ends: its integrity reads it
+        # before the tables end: the integrity checks read the run's mask rules after them
+        run["mask_rules"] = counts.mask_rules()
         store.write_json(tmp / store.RUN_FILE, run)
         lap("store")
         with interrupt.stage("metrics"):
@@ -203,7 +206,8 @@ def measure(
     the metric engine reads each batch once (``metrics.steps.compute_by_step``, on every
     core) and hands it to the integrity checks, which run beside it in a thread of their own
     (``metrics.integrity.compute_integrity`` on those batches). With ``written``, the batches
-    are the writer's tables as it writes them (``_Measuring``), not read back."""
+    are the writer's tables as it writes them (``_Measuring``), not read back, and the pass
+    runs on one core."""
     from mismatch_probe.metrics.integrity import compute_integrity
     from mismatch_probe.metrics.steps import compute_by_step
 
@@ -222,7 +226,10 @@ def measure(
     thread = threading.Thread(target=check, name="ingest-integrity", daemon=True)
     thread.start()
     try:
-        metrics, steps = compute_by_step(tokens, on_table=batches.put, written=written)
+        # As written, the pass runs in one thread beside the readers, which keep every core
+        # busy: its own workers would add hand-offs, not cores (the same numbers either way).
+        workers = None if written is None else 1
+        metrics, steps = compute_by_step(tokens, None, workers, batches.put, written)
     finally:
         batches.put(None)
         thread.join()
@@ -242,10 +249,12 @@ class _Measuring:
     """``measure`` in a thread of its own, fed the token store's row groups as the writer
     writes them (``RunStoreWriter.on_table``): the metric pass and the integrity checks run
     while the logs are read and the store written, and no row group is read back. At most
-    ``DEPTH`` tables wait for the pass (memory: a few row groups, whatever the number of
-    steps). ``finish`` ends the tables once the store is closed and gives the pass's result;
-    ``abort`` stops the pass (the writer failed or was interrupted). An error of the pass
-    reaches the writer at its next row group (``put``), so a failed pass stops the reading."""
+    ``DEPTH`` tables wait for the pass (memory: the writer's row group, those waiting and the
+    pass's own, whatever the number of steps). ``finish`` ends the tables once the store is
+    closed and gives the pass's result; ``abort`` stops the pass at its next table (the writer
+    failed or was interrupted). An error of the metric pass reaches the writer at its next
+    row group (``put``), so a failed pass stops the reading; one of the integrity checks, at
+    ``finish``."""
 
     DEPTH = 4
 
@@ -254,6 +263,7 @@ class _Measuring:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
         self.out: dict[str, Any] = {}
         self.ended = False  # the pass took _END or _ABORT: nothing more will be put
+        self.aborted = threading.Event()
         self.thread: threading.Thread | None = None
 
     def start(self, schema: Any) -> None:
@@ -277,6 +287,11 @@ class _Measuring:
         return self.out["result"]  # type: ignore[no-any-return]
 
     def abort(self) -> None:
+        """Stop the pass without computing the tables still waiting (a no-op once finished)."""
+        self.aborted.set()
+        with suppress(queue.Empty):
+            while True:
+                self.queue.get_nowait()
         self._stop(_ABORT)
 
     def _stop(self, sentinel: object) -> None:
@@ -287,8 +302,8 @@ class _Measuring:
 
     def _tables(self) -> Iterator[Any]:
         while (item := self.queue.get()) is not _END:
-            if item is _ABORT:
-                self.ended = True
+            if item is _ABORT or self.aborted.is_set():
+                self.ended = item is _ABORT
                 raise _Aborted
             yield item
         self.ended = True

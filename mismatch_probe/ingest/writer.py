@@ -217,13 +217,13 @@ class RunStoreWriter:
             columns["token_text"] = arrow_strings(decode_tokens(self.tokenizer, token_ids))
         schema = self.token_schema
         table = pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
-        self.tokens.write_table(table)
-        if self.on_table is not None:
-            self.on_table(table)
+        self.tokens.write_table(table, row_group_size=store.WRITTEN_ROW_GROUP_ROWS)
         self.seqs.write_table(self._sequence_table(cat))
         self.counts.tokens += n
         self.counts.null_logprobs += int((~np.isfinite(rollout) | ~np.isfinite(train)).sum())
         self.buffer, self.buffered = [], 0
+        if self.on_table is not None:  # last: what it raises leaves nothing to write again
+            self.on_table(table)
 
     def _sequence_table(self, cat: dict[str, np.ndarray]) -> pa.Table:
         first = np.concatenate([[0], np.cumsum(cat["lengths"])[:-1]]).astype(np.int64)
@@ -243,10 +243,15 @@ class RunStoreWriter:
         return pa.Table.from_arrays([columns[n] for n in schema.names], schema=schema)
 
     def close(self) -> Counts:
-        self.flush()
+        """Write what is buffered and close both files (closed even when that write fails)."""
+        try:
+            self.flush()
+        finally:
+            try:
+                self.tokens.close()
+            finally:
+                self.seqs.close()
         self.counts.steps_without_tokens = sorted(self.empty_steps - set(self.counts.steps))
-        self.tokens.close()
-        self.seqs.close()
         return self.counts
 
 

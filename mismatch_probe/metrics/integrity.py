@@ -567,7 +567,7 @@ def compute_integrity(
         names: the store's columns, given with ``tables`` handed over while the store is
             written (``metrics.steps.Written``); None: read from its footer.
     """
-    run = run or {}
+    run = run if run is not None else {}  # read after the tables: ingest adds mask_rules
     path = resolve_tokens_path(Path(path))
     if names is None:
         names = open_parquet(path).schema_arrow.names

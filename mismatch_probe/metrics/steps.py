@@ -9,6 +9,7 @@ on every core), equal to ``compute_metrics(..., step=N)`` of each step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,10 +143,13 @@ def compute_by_step(
             if table.num_rows:
                 yield table
 
-    with collector_paused():
+    # Written: the collector stays on, the readers and the writer running meanwhile
+    with collector_paused() if written is None else nullcontext():
         for whole, parts in ordered_map(lambda t: _step_partials(run, t), tables(), workers):
             run.merge(whole)
             steps.add(parts)
+    if written is not None and prompt_lengths(path, None) is not None:
+        raise AssertionError("a store measured as written has no prompt_length (Written)")
     check_settings(path, None, seen)
     if later:
         run.curves.read_token_ids(lambda rows: read_rows(files, rows, "token_id"))

@@ -664,21 +664,26 @@ def iter_sequence_batches(
         raise ProbeError(f"{path} is corrupt ({exc})") from None
 
 
+WRITTEN_ROW_GROUP_ROWS = 1 << 20  # the most rows a writer's table puts in one row group
+
+
 def written_sequence_batches(
     tables: Iterable[pa.Table], columns: Sequence[str], path: Path
 ) -> Iterator[pa.Table]:
     """``iter_sequence_batches(path, columns)`` of a file being written, from the tables its
-    writer writes (each one row group, at most 1Mi rows, pyarrow's default), as they are
-    written: the same tables, cut where reading the file back would cut them (``_chunks``:
-    slices of ``2 * ROW_GROUP_TOKENS`` rows, which divides 1Mi), so that a pass over these
-    gives the numbers a pass over the file gives. No ``ROW_COLUMN``: the tables hold every
+    writer writes, as they are written: the same tables, cut where reading the file back
+    would cut them, so that a pass over these gives the numbers a pass over the file gives. A
+    table is written as row groups of at most ``WRITTEN_ROW_GROUP_ROWS`` rows (the writer's
+    ``row_group_size``, pyarrow's default), each read back in slices of
+    ``2 * ROW_GROUP_TOKENS`` rows (``_chunks``). No ``ROW_COLUMN``: the tables hold every
     column."""
     cols = list(dict.fromkeys(["seq_id", *columns]))
     size = 2 * ROW_GROUP_TOKENS
     chunks = (
-        table.select(cols).slice(start, size)
+        table.select(cols).slice(start, min(size, group + WRITTEN_ROW_GROUP_ROWS - start))
         for table in tables
-        for start in range(0, table.num_rows, size)
+        for group in range(0, table.num_rows, WRITTEN_ROW_GROUP_ROWS)
+        for start in range(group, min(group + WRITTEN_ROW_GROUP_ROWS, table.num_rows), size)
     )
     yield from _whole_sequences(chunks, path)
 

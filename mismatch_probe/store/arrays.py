@@ -55,14 +55,17 @@ def numpy_of(values: pa.Array | pa.ChunkedArray, null: Any = None) -> np.ndarray
 
 
 def arrow_of(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | None = None) -> pa.Array:
-    """An Arrow array of ``kind`` (a numeric type) holding numpy ``values`` (cast to its
-    dtype), from their buffer: ``pa.array(values, kind, mask=~valid)`` without ``pa.array``.
-    ``valid``: ``[N]`` bool, null where False (None: no null)."""
+    """An Arrow array of ``kind`` (a numeric type) holding numpy ``values``, from their
+    buffer: ``pa.array(values, kind, mask=~valid)`` without ``pa.array``, the values cast to
+    the kind's dtype as numpy casts (unchecked: the caller's values fit it). ``valid``:
+    ``[N]`` bool, null where False (None: no null)."""
     if kind == pa.bool_():
         raise TypeError("arrow_of: Arrow packs booleans in bits, not numpy's bytes")
     data = np.ascontiguousarray(values, dtype=_NUMPY[kind])
     bitmap, nulls = None, 0
     if valid is not None:
+        if len(valid) != len(data):
+            raise ValueError(f"arrow_of: {len(valid)} validity flags for {len(data)} values")
         nulls = len(data) - int(np.count_nonzero(valid))
         if nulls:
             bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
