@@ -180,7 +180,7 @@ def _batch(
     tokens, mask_values = (cols[n][0] for n in ("token_ids", "loss_mask"))
     if tokens.dtype.kind != "i" or mask_values.dtype != np.bool_:
         return None
-    if np.any((tokens > 2**53) | (tokens < -(2**53))):
+    if len(tokens) and (tokens.max() > 2**53 or tokens.min() < -(2**53)):
         return None  # int_array reads ids through float64: exact only up to 2^53
     mask = mask_values.copy()
     lengths = np.diff(offsets)
@@ -195,7 +195,7 @@ def _batch(
         sources=[f"{file}:{i}" for i in range(1, len(lengths) + 1)],
         prompt_keys=keys,
         lengths=counts,
-        token_ids=tokens[keep].astype(np.int64),
+        token_ids=tokens[keep].astype(np.int64, copy=False),
         positions=positions,
         rollout=np.asarray(rollout, np.float64)[keep],
         train=np.asarray(train, np.float64)[keep],

@@ -194,20 +194,25 @@ class RunStoreWriter:
         if not self.buffer:
             return
         parts = [p.columns() for p in self.buffer]
-        cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        cat = parts[0] if len(parts) == 1 else _concatenated(parts)
         lengths = cat["lengths"]
         token_ids = cat["token_id"].astype(np.int32)
-        rollout, train = cat["rollout"], cat["train"]
         n = len(token_ids)
+        (rollout, rollout_ok), (train, train_ok) = (
+            _nullable(cat["rollout"]),
+            _nullable(cat["train"]),
+        )
         columns: dict[str, pa.Array] = {  # from the arrays' buffers: no pa.array, no pandas
             "step": arrow_of(np.repeat(cat["step"], lengths), pa.int64()),
             "seq_id": arrow_of(np.repeat(cat["seq_id"], lengths), pa.int64()),
             "prompt_id": arrow_of(np.repeat(cat["prompt_id"], lengths), pa.int64()),
-            "sample_id": arrow_of(np.repeat(cat["sample_id"], lengths), pa.int32()),
+            "sample_id": arrow_of(
+                np.repeat(cat["sample_id"].astype(np.int32), lengths), pa.int32()
+            ),
             "position": arrow_of(cat["position"], pa.int32()),
             "token_id": arrow_of(token_ids, pa.int32()),
-            "rollout_logprob": _nullable(rollout),
-            "train_logprob": _nullable(train),
+            "rollout_logprob": rollout,
+            "train_logprob": train,
             "train_entropy": pa.nulls(n, pa.float32()),
             "turn": arrow_of(cat["turn"], pa.int32()),
         }
@@ -220,7 +225,7 @@ class RunStoreWriter:
         self.tokens.write_table(table, row_group_size=store.WRITTEN_ROW_GROUP_ROWS)
         self.seqs.write_table(self._sequence_table(cat))
         self.counts.tokens += n
-        self.counts.null_logprobs += int((~np.isfinite(rollout) | ~np.isfinite(train)).sum())
+        self.counts.null_logprobs += n - int(np.count_nonzero(rollout_ok & train_ok))
         self.buffer, self.buffered = [], 0
         if self.on_table is not None:  # last: what it raises leaves nothing to write again
             self.on_table(table)
@@ -303,6 +308,8 @@ def _check_int32(batch: SeqBatch) -> None:
     bad = {}
     for name, values in (("token id", batch.token_ids), ("position", batch.positions)):
         values = np.asarray(values)
+        if not len(values) or (values.min() >= 0 and values.max() <= INT32_MAX):
+            continue  # two passes and no mask: the usual case
         outside = (values < 0) | (values > INT32_MAX)
         if outside.any():
             bad[name] = (values, outside)
@@ -322,10 +329,21 @@ def _check_int32(batch: SeqBatch) -> None:
             )
 
 
-def _nullable(values: np.ndarray) -> pa.Array:
-    """float32, null where not finite (a framework's null/NaN/inf: not a measured token)."""
+def _nullable(values: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+    """float32, null where not finite (a framework's null/NaN/inf: not a measured token), and
+    the ``[N]`` bool of the finite values. Values past float32's range are clipped to it (an
+    extreme, not an infinity); the clip is skipped where none is."""
     values = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(values)
     bound = float(np.finfo(np.float32).max)
-    with np.errstate(invalid="ignore"):
-        narrow = np.clip(values, -bound, bound).astype(np.float32)
-    return arrow_of(narrow, pa.float32(), valid=np.isfinite(values))
+    inside = bool(finite.all()) and (not len(values) or max(-values.min(), values.max()) <= bound)
+    if inside:
+        narrow = values.astype(np.float32)
+    else:
+        with np.errstate(invalid="ignore"):
+            narrow = np.clip(values, -bound, bound).astype(np.float32)
+    return arrow_of(narrow, pa.float32(), valid=finite), finite
+
+
+def _concatenated(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
