@@ -144,6 +144,11 @@ def _assert_as_json(found: dict[str, Any], text: bytes) -> None:
 
 LEFT = {  # what Python's json refuses, reads otherwise, or what another reader must decide
     "leading zero": b'"x": [01]',
+    "two zeros": b'"x": [00]',
+    "a negative leading zero": b'"x": [-01]',
+    "zero and a bare point": b'"x": [0.]',
+    "minus zero and a bare point": b'"x": [-0.]',
+    "twenty digits": b'"x": [], "t": [12345678901234567890]',
     "bare point": b'"x": [1.]',
     "no integer part": b'"x": [.5]',
     "bare minus": b'"x": [-]',

@@ -23,8 +23,9 @@
  *     rounding to 64 bits) and the rounding to a double, which is exact unless the extended
  *     result lies on a halfway point between two doubles; any other number, and that case,
  *     through PyOS_string_to_double, Python's own ``float`` (holding the interpreter lock);
- *     a list's plain decimal of up to 19 digits with a mantissa up to 2^53 (most log-probs)
- *     takes a shorter path to the same one operation (``fast_float``; ids: ``fast_int``);
+ *     a list's plain decimal of up to 19 digits takes a shorter path to the same value
+ *     (``fast_float``: one division where its digits make an integer up to 2^53, else the
+ *     paths above with the digits already read; ids: ``fast_int``);
  *   - an integer of more than MAX_INT_DIGITS digits anywhere is left to the slower reader
  *     (``json``'s int() refuses more than sys.get_int_max_str_digits(), 640 at the least);
  *   - an integer in a float list is its value as a double (``-0`` is 0.0, as for ``json``,
@@ -470,10 +471,11 @@ static inline int list_item(cursor_t *c, field_t *f)
 
 /* The common items of number lists, on a fast path that gives what ``list_item`` gives: a
  * plain decimal (no exponent) of at most FAST_DIGITS digits, leading zeros included, followed
- * by a delimiter. A float's value is then one IEEE operation on exact operands (a mantissa up
- * to 2^53, a power of ten up to 10^19): the double nearest the decimal, as every path of
- * ``to_double`` gives. Anything else (null, NaN, an exponent, more digits, text that is not
- * one JSON number) returns 1 with nothing consumed: ``list_item`` reads it, or bails. */
+ * by a delimiter. A float whose digits make an integer up to 2^53 is one IEEE division of
+ * exact operands (a power of ten up to 10^18): the double nearest the decimal, as every path
+ * of ``to_double`` gives; a larger one (a 16- to 19-digit repr) goes to ``to_double`` with
+ * the digits already read. Anything else (null, NaN, an exponent, more digits, text that is
+ * not one JSON number) returns 1 with nothing consumed: ``list_item`` reads it, or bails. */
 #define FAST_DIGITS 19 /* 10^19 - 1 < 2^64: the mantissa cannot overflow */
 
 static inline int delimiter(unsigned char ch)
@@ -481,19 +483,28 @@ static inline int delimiter(unsigned char ch)
     return ch == ',' || ch == ']' || ch == '}' || ch == ' ' || ch == '\t';
 }
 
-/* The digits at p: the mantissa accumulated, the pointer past them (no bound needed: see
- * ``scan_number``). Sets *count to the digits read; past FAST_DIGITS it stops counting (the
- * caller leaves the number to ``list_item``; the mantissa may have wrapped). Eight digits at
- * a time (SWAR) measured no faster here: most runs are of one to six digits. */
+/* The digits at p, at most FAST_DIGITS in all (*count, leading zeros included): the mantissa
+ * accumulated, the pointer past them (no bound needed: see ``scan_number``); a digit left
+ * at the pointer is not a delimiter, so the caller leaves the number to ``list_item``. Eight
+ * digits at a time (SWAR) measured no faster here: most runs are of one to six digits. */
 static inline const unsigned char *digits_of(const unsigned char *p, uint64_t *m, int *count)
 {
     uint64_t v = *m;
     int n = *count;
-    for (; is_digit(*p) && n <= FAST_DIGITS; p++, n++)
+    for (; is_digit(*p) && n < FAST_DIGITS; p++, n++)
         v = v * 10 + (uint64_t)(*p - '0');
     *m = v;
     *count = n;
     return p;
+}
+
+/* The decimal digits of m > 0 (its significant digits: leading zeros add nothing to it). */
+static inline int significant(uint64_t m)
+{
+    int n = 1;
+    for (; m >= 10; m /= 10)
+        n++;
+    return n;
 }
 
 static inline int fast_float(cursor_t *c, field_t *f)
@@ -517,13 +528,21 @@ static inline int fast_float(cursor_t *c, field_t *f)
         if (!fraction)
             return 1;
     }
-    if (count > FAST_DIGITS || m > (1ULL << 53) || !delimiter(*p))
+    if (!delimiter(*p))
         return 1;
-    double d = (double)m;
-    if (m == 0) /* the integer -0 is json's int 0: 0.0; "-0.0" is -0.0 */
+    double d;
+    if (m > (1ULL << 53)) { /* scan_number's reading of these digits, not read again */
+        number_t n = {.start = c->p, .stop = p, .negative = negative, .is_int = is_int,
+                      .digits = significant(m), .mantissa = m, .exponent = -fraction};
+        int status = to_double(c, &n, &d);
+        if (status)
+            return status;
+    } else if (m == 0) { /* the integer -0 is json's int 0: 0.0; "-0.0" is -0.0 */
         d = (negative && !is_int) ? -0.0 : 0.0;
-    else
-        d = negative ? -(d / P10[fraction]) : d / P10[fraction];
+    } else {
+        d = (double)m / P10[fraction];
+        d = negative ? -d : d;
+    }
     c->p = p;
     return buf_push(&f->values, &d, sizeof d);
 }

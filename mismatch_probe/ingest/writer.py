@@ -113,9 +113,13 @@ class RunStoreWriter:
         self.tokens = pq.ParquetWriter(
             out / store.TOKENS_FILE, self.token_schema, **store.parquet_options(self.token_schema)
         )
-        self.seqs = pq.ParquetWriter(
-            out / store.SEQUENCES_FILE, seq_schema, **store.parquet_options(seq_schema)
-        )
+        try:
+            self.seqs = pq.ParquetWriter(
+                out / store.SEQUENCES_FILE, seq_schema, **store.parquet_options(seq_schema)
+            )
+        except BaseException:
+            self.tokens.close()
+            raise
         self.buffer: list[_Piece] = []
         self.buffered = 0
         self.prompts: dict[str, int] = {}  # this step's group keys -> prompt_id
@@ -193,15 +197,15 @@ class RunStoreWriter:
     def flush(self) -> None:
         if not self.buffer:
             return
-        parts = [p.columns() for p in self.buffer]
+        # Taken first: whatever fails below, close() finds nothing to write again.
+        pieces, self.buffer, self.buffered = self.buffer, [], 0
+        parts = [p.columns() for p in pieces]
         cat = parts[0] if len(parts) == 1 else _concatenated(parts)
         lengths = cat["lengths"]
         token_ids = cat["token_id"].astype(np.int32)
         n = len(token_ids)
-        (rollout, rollout_ok), (train, train_ok) = (
-            _nullable(cat["rollout"]),
-            _nullable(cat["train"]),
-        )
+        rollout, rollout_ok = _nullable(cat["rollout"])
+        train, train_ok = _nullable(cat["train"])
         columns: dict[str, pa.Array] = {  # from the arrays' buffers: no pa.array, no pandas
             "step": arrow_of(np.repeat(cat["step"], lengths), pa.int64()),
             "seq_id": arrow_of(np.repeat(cat["seq_id"], lengths), pa.int64()),
@@ -223,14 +227,13 @@ class RunStoreWriter:
         schema = self.token_schema
         table = pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
         self.tokens.write_table(table, row_group_size=store.WRITTEN_ROW_GROUP_ROWS)
-        self.seqs.write_table(self._sequence_table(cat))
+        self.seqs.write_table(self._sequence_table(cat, pieces))
         self.counts.tokens += n
         self.counts.null_logprobs += n - int(np.count_nonzero(rollout_ok & train_ok))
-        self.buffer, self.buffered = [], 0
-        if self.on_table is not None:  # last: what it raises leaves nothing to write again
+        if self.on_table is not None:  # last: the row group is written
             self.on_table(table)
 
-    def _sequence_table(self, cat: dict[str, np.ndarray]) -> pa.Table:
+    def _sequence_table(self, cat: dict[str, np.ndarray], pieces: list[_Piece]) -> pa.Table:
         first = np.concatenate([[0], np.cumsum(cat["lengths"])[:-1]]).astype(np.int64)
         turns = cat["turn"]
         num_turns = np.maximum.reduceat(turns, first) + 1 if len(turns) else turns
@@ -239,8 +242,8 @@ class RunStoreWriter:
             "seq_id": arrow_of(cat["seq_id"], pa.int64()),
             "prompt_id": arrow_of(cat["prompt_id"], pa.int64()),
             "sample_id": arrow_of(cat["sample_id"], pa.int32()),
-            "prompt_key": arrow_strings([k for p in self.buffer for k in p.prompt_keys()]),
-            "source": arrow_strings([s for p in self.buffer for s in p.sources()]),
+            "prompt_key": arrow_strings([k for p in pieces for k in p.prompt_keys()]),
+            "source": arrow_strings([s for p in pieces for s in p.sources()]),
             "response_length": arrow_of(cat["lengths"], pa.int32()),
             "num_turns": arrow_of(num_turns, pa.int32()),
         }
