@@ -507,19 +507,29 @@ static inline int significant(uint64_t m)
     return n;
 }
 
+/* The sign and integer part of a number at p: the pointer past them, or NULL where no digit
+ * follows the sign. A leading 0 is read alone ("0", "0.5"; "01" then fails the caller's
+ * delimiter test). */
+static inline const unsigned char *integer_part(const unsigned char *p, int *negative,
+                                                uint64_t *m, int *count)
+{
+    *negative = *p == '-';
+    p += *negative;
+    if (!is_digit(*p))
+        return NULL;
+    if (*p != '0')
+        return digits_of(p, m, count);
+    (*count)++;
+    return p + 1;
+}
+
 static inline int fast_float(cursor_t *c, field_t *f)
 {
-    const unsigned char *p = c->p;
-    int negative = *p == '-';
-    p += negative;
-    if (!is_digit(*p))
-        return 1;
     uint64_t m = 0;
-    int count = 0, fraction = 0, is_int = 1;
-    if (*p == '0')
-        p++, count++; /* "0", "0.5": a leading zero, not "01" (the delimiter test below) */
-    else
-        p = digits_of(p, &m, &count);
+    int negative, count = 0, fraction = 0, is_int = 1;
+    const unsigned char *p = integer_part(c->p, &negative, &m, &count);
+    if (!p)
+        return 1;
     if (*p == '.') {
         const unsigned char *start = ++p;
         p = digits_of(p, &m, &count);
@@ -549,18 +559,10 @@ static inline int fast_float(cursor_t *c, field_t *f)
 
 static inline int fast_int(cursor_t *c, field_t *f)
 {
-    const unsigned char *p = c->p;
-    int negative = *p == '-';
-    p += negative;
-    if (!is_digit(*p))
-        return 1;
     uint64_t m = 0;
-    int count = 0;
-    if (*p == '0')
-        p++;
-    else
-        p = digits_of(p, &m, &count);
-    if (count > 18 || !delimiter(*p)) /* up to 18 digits fit int64, as list_item takes */
+    int negative, count = 0;
+    const unsigned char *p = integer_part(c->p, &negative, &m, &count);
+    if (!p || count > 18 || !delimiter(*p)) /* up to 18 digits fit int64, as list_item takes */
         return 1;
     int64_t v = negative ? -(int64_t)m : (int64_t)m;
     c->p = p;

@@ -121,16 +121,17 @@ def compute_by_step(
     if STEP_COLUMN not in names:
         raise ProbeError(f"{path} has no step column (not an ingested run)")
     optional = [c for c in (*OPTIONAL_COLUMNS, "setting") if c in names]
-    batches: Iterable[pa.Table]
+    files: list[Path] = []  # written: every column in the tables, the token ids too
+    later = False
     if written is None:
         files = part_files(path)  # listed once: the locators index them
         optional, later = token_ids_later(files, optional)  # the worst tokens' ids: after
-        columns = [*METRIC_COLUMNS, *optional, STEP_COLUMN]
-        batches = iter_sequence_batches(path, columns, parts=files)
-    else:  # every column in the tables: the token ids too
-        files, later = [], False
-        columns = [*METRIC_COLUMNS, *optional, STEP_COLUMN]
-        batches = written_sequence_batches(written.tables, columns, path)
+    columns = [*METRIC_COLUMNS, *optional, STEP_COLUMN]
+    batches = (
+        iter_sequence_batches(path, columns, parts=files)
+        if written is None
+        else written_sequence_batches(written.tables, columns, path)
+    )
     run = MetricEngine(config, has_flip="support_flip" in names)
     steps = _Steps(path, config, run.has_flip, None if written else prompt_lengths(path, None))
     seen: set[str] = set()

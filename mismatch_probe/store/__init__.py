@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mismatch_probe.errors import ProbeError
-from mismatch_probe.store.arrays import arrow_int64, numpy_of
+from mismatch_probe.store.arrays import arrow_of, numpy_of
 from mismatch_probe.store.dataset import part_files
 
 SCHEMA_VERSION = "1"
@@ -736,7 +736,7 @@ def _chunks(
             if part is not None:  # each row's locator: (part << _PART_SHIFT) + its row
                 first = (part << _PART_SHIFT) + row
                 locators = np.arange(first, first + table.num_rows, dtype=np.int64)
-                table = table.append_column(ROW_COLUMN, arrow_int64(locators))
+                table = table.append_column(ROW_COLUMN, arrow_of(locators, pa.int64()))
                 row += table.num_rows
             yield table
 

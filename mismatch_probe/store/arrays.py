@@ -72,11 +72,6 @@ def arrow_of(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | None = N
     return pa.Array.from_buffers(kind, len(data), [bitmap, pa.py_buffer(data)], null_count=nulls)
 
 
-def arrow_int64(values: np.ndarray) -> pa.Array:
-    """An int64 Arrow array of a numpy array's values, from its buffer (no ``pa.array``)."""
-    return arrow_of(values, pa.int64())
-
-
 def arrow_strings(values: Sequence[str | None]) -> pa.Array:
     """A string Arrow array of ``values`` (None: null), built from one UTF-8 buffer and its
     offsets: ``pa.array(values, pa.string())`` without ``pa.array``."""
