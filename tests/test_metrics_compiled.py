@@ -186,3 +186,145 @@ def test_the_engine_gives_the_same_bits_without_the_loops(
     with_loops = [exact(config) for config in configs]
     monkeypatch.setattr(compiled, "kernels", None)
     assert [exact(config) for config in configs] == with_loops
+
+
+# --- the integrity checks (``_kernels.integrity``) ---------------------------------------------
+
+
+def _faulty_rows(seed: int, n_seqs: int = 400) -> tuple[np.ndarray, ...]:
+    """Sequences of 1..300 tokens with every fault the checks look for, in runs and alone:
+    padding (null: NaN), NaN and +-inf, -inf on a support flip, positive and implausible
+    log-probs, placeholder 0.0s, sequences copied throughout, sequences shifted by one, gaps
+    and repeats in the positions, positions near int64's end, -0.0, and equal sides."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, n_seqs)
+    lengths[:6] = [1, 2, 3, 8, 9, 4]
+    n = int(lengths.sum())
+    first = np.cumsum(lengths) - lengths
+    seq = np.repeat(np.arange(n_seqs) * 5 + 3, lengths)
+    pos = (np.arange(n) - np.repeat(first, lengths)).astype(np.int64)
+    rollout = -rng.exponential(1.5, n)
+    train = rollout + rng.normal(0, 0.02, n)
+    kind = np.repeat(rng.integers(0, 6, n_seqs), lengths)  # a fault per sequence, or none
+    shifted = kind == 1
+    train[shifted] = np.roll(rollout, 1)[shifted] + rng.normal(0, 1e-3, int(shifted.sum()))
+    train[kind == 2] = rollout[kind == 2]  # copied throughout
+    sharp = kind == 3  # a temperature gap: r moves with the log-prob
+    train[sharp] = rollout[sharp] * 1.3
+    trunc = kind == 4  # a truncated support: r < 0
+    train[trunc] = rollout[trunc] - rng.exponential(0.05, int(trunc.sum()))
+    rare = lambda p: rng.random(n) < p  # noqa: E731
+    train[rare(0.01)] = 0.0
+    rollout[rare(0.01)] = -0.0
+    rollout[rare(0.005)] = 0.0
+    hit = rare(0.003)
+    train[hit] = rng.uniform(0.0, 0.5, int(hit.sum()))
+    hit = rare(0.003)
+    rollout[hit] = rng.uniform(0.0, 0.5, int(hit.sum()))
+    hit = rare(0.003)
+    rollout[hit] = -rng.uniform(1e4, 1e9, int(hit.sum()))
+    hit = rare(0.003)
+    train[hit] = -rng.uniform(1e4, 1e9, int(hit.sum()))
+    train[rare(0.002)] = -np.inf
+    rollout[rare(0.002)] = np.inf
+    train[rare(0.002)] = np.nan
+    train[rare(0.002)] = -10_000.0
+    same = rare(0.05)
+    train[same] = rollout[same]
+    valid = ~rare(0.02)
+    valid[np.isin(seq, seq[first[10:14]])] = False  # sequences all padding
+    flip = rare(0.01)
+    pos[rare(0.01)] += rng.integers(1, 3)  # gaps and repeats
+    pos[np.isin(seq, seq[first[20]])] += np.iinfo(np.int64).max - 300  # wrapping at +1
+    return seq, pos, train, rollout, valid, flip
+
+
+def _integrity_state(acc) -> str:
+    """Every number an ``IntegrityAccumulator`` holds, floats and histograms by their bytes."""
+
+    def exact(v):
+        if isinstance(v, dict):
+            return {k: exact(x) for k, x in v.items()}
+        if isinstance(v, np.ndarray):
+            return v.tobytes()
+        return float(v).hex() if isinstance(v, float) else v
+
+    sampling = {k: exact(v) for k, v in vars(acc.sampling).items()}
+    return repr({**{k: exact(v) for k, v in vars(acc).items() if k != "sampling"}, **sampling})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_integrity_counts_and_sums_as_numpy(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mismatch_probe.metrics import compiled
+    from mismatch_probe.metrics.integrity import IntegrityAccumulator
+
+    rows = _faulty_rows(seed)
+    rng = np.random.default_rng(seed)
+    if seed % 2:  # unsorted rows: the sort before the loop
+        order = rng.permutation(len(rows[0]))
+        rows = tuple(a[order] for a in rows)
+    cuts = np.sort(rng.choice(np.arange(1, len(rows[0])), 3, replace=False))
+    states = []
+    for kernels in (compiled.kernels, None):
+        monkeypatch.setattr(compiled, "kernels", kernels)
+        acc = IntegrityAccumulator()
+        for part in zip(*(np.split(a, cuts) if seed % 2 == 0 else [a] for a in rows), strict=True):
+            acc.update(*part)
+        states.append(_integrity_state(acc))
+    assert states[0] == states[1]
+    for check in ("nonfinite", "positive", "implausible", "placeholder", "shifted", "copied"):
+        assert acc.seqs[check] > 0, check  # every fault was there to count
+
+
+def test_integrity_of_one_row_and_of_one_padding_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mismatch_probe.metrics import compiled
+    from mismatch_probe.metrics.integrity import IntegrityAccumulator
+
+    one = [np.array([7]), np.array([0]), np.array([-1.0]), np.array([-1.0]),
+           np.array([True]), np.array([False])]  # fmt: skip
+    padding = [*one[:4], np.array([False]), one[5]]
+    states = []
+    for kernels in (compiled.kernels, None):
+        monkeypatch.setattr(compiled, "kernels", kernels)
+        acc = IntegrityAccumulator()
+        acc.update(*one)
+        acc.update(*padding)
+        states.append(_integrity_state(acc))
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("name", ["padding", "all_of_them"])
+def test_integrity_findings_without_the_loops(
+    name: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compute_integrity`` of a store, per step too, with the loops and without them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mismatch_probe.metrics import compiled
+    from mismatch_probe.metrics.integrity import compute_integrity
+
+    path = _store(tmp_path / "tokens.parquet", len(name), **STORES[name])
+    table = pq.read_table(path)
+    steps = np.repeat(np.arange(3), -(-table.num_rows // 3))[: table.num_rows]
+    pq.write_table(table.append_column("step", pa.array(steps)), path, row_group_size=20_000)
+    found = compute_integrity(path, {"kind": "ingest"}).to_json_dict()
+    monkeypatch.setattr(compiled, "kernels", None)
+    assert compute_integrity(path, {"kind": "ingest"}).to_json_dict() == found
+    assert found["findings"] and found["steps"]
+
+
+def test_integrity_refuses_what_is_not_sequence_starts() -> None:
+    from mismatch_probe.metrics.compiled import kernels
+    from mismatch_probe.metrics.integrity import _COUNTED, _LIMITS, _SUMMED
+
+    assert kernels is not None
+    n = 4
+    f, b = np.zeros(n), np.ones(n, bool)
+    outs = (np.zeros(len(_COUNTED), np.int64), np.zeros(_SUMMED), *(np.zeros(n) for _ in range(4)))
+    for starts in ([1, 2], [0, 2, 2], [0, 5], []):
+        with pytest.raises(ValueError, match="starts"):
+            kernels.integrity(np.arange(n), f, f, b, b, np.array(starts, np.int64), _LIMITS, 8,
+                              *outs)  # fmt: skip
+    with pytest.raises(ValueError, match="train"):
+        kernels.integrity(np.arange(n), f[:3], f, b, b, np.array([0]), _LIMITS, 8, *outs)

@@ -188,7 +188,8 @@ def test_atomic_dir_failed_write_leaves_nothing(tmp_path: Path) -> None:
 
 def test_every_leaf_but_floats_is_compressed() -> None:
     """``parquet_options`` keys compression by Parquet leaf (``name.list.element``): lists of
-    ids and expert routes stay zstd, float leaves (scalars or in lists) are plain."""
+    ids and expert routes stay zstd, float leaves (scalars or in lists) are plain, integer
+    columns LZ4 and token ids zstd, both without a dictionary; text keeps one."""
     import io
 
     import pyarrow as pa
@@ -196,20 +197,25 @@ def test_every_leaf_but_floats_is_compressed() -> None:
 
     from mismatch_probe.store import parquet_options
 
-    schema = pa.schema([("seq_id", pa.int64()), ("train_logprob", pa.float32()),
+    schema = pa.schema([("seq_id", pa.int64()), ("token_id", pa.int32()),
+                        ("train_logprob", pa.float32()), ("setting", pa.string()),
                         ("experts", pa.list_(pa.list_(pa.int16()))),
                         ("logprobs", pa.list_(pa.float32()))])  # fmt: skip
-    table = pa.table({"seq_id": [1, 2], "train_logprob": [-0.5, -1.0],
-                      "experts": [[[1, 2]], [[3, 4]]], "logprobs": [[-0.1], [-0.2]]},
-                     schema=schema)  # fmt: skip
+    table = pa.table({"seq_id": [1, 2], "token_id": [5, 6], "train_logprob": [-0.5, -1.0],
+                      "setting": ["bf16", "bf16"], "experts": [[[1, 2]], [[3, 4]]],
+                      "logprobs": [[-0.1], [-0.2]]}, schema=schema)  # fmt: skip
     buffer = io.BytesIO()
     pq.write_table(table, buffer, **parquet_options(schema))
     group = pq.ParquetFile(io.BytesIO(buffer.getvalue())).metadata.row_group(0)
     codecs = {group.column(i).path_in_schema: group.column(i).compression
               for i in range(group.num_columns)}  # fmt: skip
-    assert codecs == {"seq_id": "ZSTD", "train_logprob": "UNCOMPRESSED",
-                      "experts.list.element.list.element": "ZSTD",
+    assert codecs == {"seq_id": "LZ4", "token_id": "ZSTD", "train_logprob": "UNCOMPRESSED",
+                      "setting": "ZSTD", "experts.list.element.list.element": "ZSTD",
                       "logprobs.list.element": "UNCOMPRESSED"}  # fmt: skip
+    dictionary = {group.column(i).path_in_schema
+                  for i in range(group.num_columns)
+                  if "RLE_DICTIONARY" in group.column(i).encodings}  # fmt: skip
+    assert "setting" in dictionary and not dictionary & {"seq_id", "token_id"}
 
 
 def test_row_locators_read_back_the_values_of_their_rows(tmp_path: Path) -> None:

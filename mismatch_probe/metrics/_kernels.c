@@ -5,7 +5,9 @@
  *   thresholds  counts of an array above and below thresholds, and its extremes
  *               (``accum.thresholds``);
  *   is_stats    an importance-sampling spec's weights and their sums, per batch and per
- *               sequence (``weights.is_stats``).
+ *               sequence (``weights.is_stats``);
+ *   integrity   the integrity checks' counts, extremes and L(k) sums of a batch, and the
+ *               values the sampling checks go on with (``integrity.IntegrityAccumulator``).
  *
  * Each function takes the batch's arrays (anything with the buffer protocol: C-contiguous
  * numpy arrays of the dtype named) and adds into output arrays it is handed, so Python keeps
@@ -33,6 +35,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -577,6 +580,307 @@ done:
     return result;
 }
 
+/* --- integrity checks ---------------------------------------------------------------------- */
+
+/* The counts ``integrity`` fills (int64), by index. */
+enum {
+    IC_VALID, IC_VALID_SEQS, IC_IDENTICAL, IC_COPIED_SEQS, IC_COPIED_TOKENS,
+    IC_NONFINITE, IC_POSITIVE, IC_IMPLAUSIBLE, IC_PLACEHOLDER, /* tokens flagged */
+    IC_NONFINITE_SEQS, IC_POSITIVE_SEQS, IC_IMPLAUSIBLE_SEQS, IC_PLACEHOLDER_SEQS,
+    IC_PAIRS, IC_SHIFTED_SEQS, IC_HELD_N,
+    IC_FINITE, IC_FINITE_SEQS, IC_NEG, IC_POS, IC_NEG_SEQS, IC_POS_SEQS, IC_COUNT
+};
+/* The floats it fills, by index: the largest log-prob of a positive token (-inf: none), the
+ * smallest of an implausible one (inf: none), L(k)'s sums over the interior tokens for
+ * k = -1, 0, +1, and the same over the shifted sequences' interior tokens alone. */
+enum { IS_POSITIVE_MAX, IS_IMPLAUSIBLE_MIN, IS_SHIFT, IS_HELD = IS_SHIFT + 3, IS_COUNT = IS_HELD + 3 };
+
+typedef struct {
+    double floor, positive_above, implausible_below, placeholder_below, shift_ratio,
+        shift_min_l0, different;
+    int64_t copy_min;
+} Limits;
+
+/* A row's integrity flags (one byte each), as ``IntegrityAccumulator.update`` defines them. */
+enum {
+    F_VALID = 1, F_SAME = 2, F_NONFINITE = 4, F_POSITIVE = 8, F_IMPLAUSIBLE = 16,
+    F_PLACEHOLDER = 32, F_FINITE = 64
+};
+
+/* Per row of a batch, each a plain loop the compiler vectorises: the flags and the log-probs
+ * clamped to the floor (np.maximum(x, floor) of a finite x: x unless x < floor). Returns the
+ * flags of any row (or-ed together); all_rows: those of every row (and-ed). */
+CLONES_AVX512F
+static unsigned integrity_rows(Py_ssize_t n, const double *restrict train,
+                               const double *restrict rollout, const uint8_t *restrict valid,
+                               const uint8_t *restrict flip, const Limits *lim,
+                               uint8_t *restrict flag, double *restrict tc, double *restrict rc,
+                               unsigned *all_rows)
+{
+    const double above = lim->positive_above, below = lim->implausible_below,
+                 other = lim->placeholder_below, floor = lim->floor;
+    unsigned any = 0, all = 0x7f;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const double t = train[i], r = rollout[i];
+        const unsigned v = valid[i] != 0;
+        const unsigned ok = v & (fabs(t) <= DBL_MAX) & (fabs(r) <= DBL_MAX);
+        const unsigned outside = (t == -INFINITY) & (flip[i] != 0); /* a flip's -inf: measured */
+        const unsigned f =
+            v | (v & (t == r)) << 1 | (v & !ok & !outside) << 2 |
+            (ok & ((t > above) | (r > above))) << 3 | (ok & ((t < below) | (r < below))) << 4 |
+            (ok & (((t == 0.0) & (r < other)) | ((r == 0.0) & (t < other)))) << 5 | ok << 6;
+        flag[i] = (uint8_t)f;
+        any |= f;
+        all &= f;
+    }
+    *all_rows = all;
+    for (Py_ssize_t i = 0; i < n; i++)
+        tc[i] = train[i] < floor ? floor : train[i];
+    for (Py_ssize_t i = 0; i < n; i++)
+        rc[i] = rollout[i] < floor ? floor : rollout[i];
+    return any;
+}
+
+/* The rows a .. b - 1 with flag bit ``bit``. */
+CLONES_AVX512F
+static int64_t count_flag(const uint8_t *restrict flag, Py_ssize_t a, Py_ssize_t b, unsigned bit)
+{
+    int64_t k = 0;
+    for (Py_ssize_t i = a; i < b; i++)
+        k += (flag[i] & bit) != 0;
+    return k;
+}
+
+/* Whether rows a .. b - 1 are at consecutive positions. */
+CLONES_AVX512F
+static int consecutive(const int64_t *restrict pos, Py_ssize_t a, Py_ssize_t b)
+{
+    int64_t k = 0;
+    for (Py_ssize_t i = a; i + 1 < b; i++)
+        k += (uint64_t)pos[i + 1] == (uint64_t)pos[i] + 1;
+    return k == (b > a ? b - a - 1 : 0);
+}
+
+/* A sequence whose every row is a finite valid token: x = tc and y = tc - rc of its m rows. */
+CLONES_AVX512F
+static void plain_rows(Py_ssize_t m, const double *restrict tc, const double *restrict rc,
+                       double *restrict x, double *restrict y)
+{
+    for (Py_ssize_t i = 0; i < m; i++)
+        x[i] = tc[i];
+    for (Py_ssize_t i = 0; i < m; i++)
+        y[i] = tc[i] - rc[i];
+}
+
+/* A sequence whose every row is a finite valid token, at consecutive positions: the
+ * |tc[t] - rc[t + k]| (k = -1, 0, +1) of its interior rows t = 1 .. m. */
+CLONES_AVX512F
+static void plain_shifts(Py_ssize_t m, const double *restrict tc, const double *restrict rc,
+                         double *restrict d0, double *restrict d1, double *restrict d2)
+{
+    for (Py_ssize_t i = 0; i < m; i++)
+        d0[i] = fabs(tc[i + 1] - rc[i]);
+    for (Py_ssize_t i = 0; i < m; i++)
+        d1[i] = fabs(tc[i + 1] - rc[i + 1]);
+    for (Py_ssize_t i = 0; i < m; i++)
+        d2[i] = fabs(tc[i + 1] - rc[i + 2]);
+}
+
+/* Rows a .. b - 1 of one sequence, in position order: the counts, extremes and compacted
+ * arrays of the integrity checks (see ``integrity``). any, all: the flags of any row of the
+ * batch and those of every row (a flag no row has is counted nowhere). d: three arrays, the
+ * interior tokens' |train[t] - rollout[t + k]| for k = -1, 0, +1 compacted in row order; kd:
+ * how many each holds; held: three arrays, the shifted sequences' sums of d
+ * (c[IC_SHIFTED_SEQS] each). A compacted array is written a row at a time, the next row's
+ * place taken only where the row counts (no branch), or, where every row counts (the usual
+ * sequence), by the plain loops above. */
+static void integrity_sequence(Py_ssize_t a, Py_ssize_t b, unsigned any, unsigned all,
+                               const int64_t *restrict pos, const double *restrict train,
+                               const double *restrict rollout, const uint8_t *restrict flag,
+                               const double *restrict tc, const double *restrict rc,
+                               const Limits *lim, int64_t *restrict c, double *restrict f,
+                               double *const *d, Py_ssize_t *kd, double *restrict x,
+                               double *restrict y, double *restrict neg, double *restrict posd,
+                               double *const *held)
+{
+    const Py_ssize_t len = b - a;
+    int64_t counts[7]; /* of each flag, by bit */
+    for (int k = 0; k < 7; k++)
+        counts[k] = !(any & 1u << k) ? 0 : all & 1u << k ? len : count_flag(flag, a, b, 1u << k);
+    const int64_t valid_n = counts[0], same_n = counts[1], fin_n = counts[6];
+    if (counts[3] | counts[4]) /* rare: the extremes of the positive and implausible tokens */
+        for (Py_ssize_t i = a; i < b; i++) {
+            const double t = train[i], r = rollout[i];
+            if (flag[i] & F_POSITIVE) {
+                const double m = t >= r ? t : r; /* np.maximum */
+                f[IS_POSITIVE_MAX] = m > f[IS_POSITIVE_MAX] ? m : f[IS_POSITIVE_MAX];
+            }
+            if (flag[i] & F_IMPLAUSIBLE) {
+                const double m = t <= r ? t : r; /* np.minimum */
+                f[IS_IMPLAUSIBLE_MIN] = m < f[IS_IMPLAUSIBLE_MIN] ? m : f[IS_IMPLAUSIBLE_MIN];
+            }
+        }
+    c[IC_VALID] += valid_n;
+    c[IC_VALID_SEQS] += valid_n > 0;
+    c[IC_IDENTICAL] += same_n;
+    if (valid_n >= lim->copy_min && same_n == valid_n) {
+        c[IC_COPIED_SEQS] += 1;
+        c[IC_COPIED_TOKENS] += valid_n;
+    }
+    for (int k = 0; k < 4; k++) {
+        c[IC_NONFINITE + k] += counts[2 + k];
+        c[IC_NONFINITE_SEQS + k] += counts[2 + k] > 0;
+    }
+    /* the sampling checks' values of the finite tokens, compacted in row order */
+    const Py_ssize_t kx0 = c[IC_FINITE];
+    if (fin_n == len) {
+        plain_rows(len, tc + a, rc + a, x + kx0, y + kx0);
+    } else {
+        Py_ssize_t kx = kx0;
+        for (Py_ssize_t i = a; i < b; i++) {
+            x[kx] = tc[i];
+            y[kx] = tc[i] - rc[i];
+            kx += (flag[i] & F_FINITE) != 0;
+        }
+    }
+    Py_ssize_t kn = c[IC_NEG], kp = c[IC_POS];
+    const double different = lim->different;
+    for (Py_ssize_t j = kx0; j < kx0 + fin_n; j++) {
+        const double yr = y[j];
+        neg[kn] = -yr; /* |y| where y < -different */
+        kn += yr < -different;
+        posd[kp] = yr;
+        kp += yr > different;
+    }
+    c[IC_FINITE] += fin_n, c[IC_FINITE_SEQS] += fin_n > 0;
+    c[IC_NEG_SEQS] += kn > c[IC_NEG], c[IC_POS_SEQS] += kp > c[IC_POS];
+    c[IC_NEG] = kn, c[IC_POS] = kp;
+    /* L(k): the interior tokens t (t - 1, t, t + 1 finite tokens of this sequence, at
+     * consecutive positions) */
+    if (len < 3)
+        return;
+    const Py_ssize_t first = *kd;
+    Py_ssize_t k = first;
+    if (fin_n == len && consecutive(pos, a, b)) {
+        plain_shifts(len - 2, tc + a, rc + a, d[0] + k, d[1] + k, d[2] + k);
+        k += len - 2;
+    } else {
+        for (Py_ssize_t i = a + 1; i + 1 < b; i++) {
+            const double t = tc[i];
+            d[0][k] = fabs(t - rc[i - 1]);
+            d[1][k] = fabs(t - rc[i]);
+            d[2][k] = fabs(t - rc[i + 1]);
+            k += (flag[i - 1] & flag[i] & flag[i + 1] & F_FINITE) != 0 &&
+                 (uint64_t)pos[i] == (uint64_t)pos[i - 1] + 1 &&
+                 (uint64_t)pos[i + 1] == (uint64_t)pos[i] + 1;
+        }
+    }
+    *kd = k;
+    const Py_ssize_t m = k - first;
+    if (!m)
+        return;
+    double s[3]; /* np.add.reduceat's sum of this sequence's run */
+    for (int j = 0; j < 3; j++)
+        s[j] = m > 1 ? d[j][first] + pairwise(d[j] + first + 1, m - 1) : d[j][first];
+    const double lm = s[0] / (double)m, l0 = s[1] / (double)m, lp = s[2] / (double)m;
+    if ((lm <= lp ? lm : lp) < lim->shift_ratio * l0 && l0 > lim->shift_min_l0) {
+        const int64_t h = c[IC_SHIFTED_SEQS]++;
+        c[IC_HELD_N] += m;
+        for (int j = 0; j < 3; j++)
+            held[j][h] = s[j];
+    }
+}
+
+/* integrity(pos, train, rollout, valid, flip, starts, limits, copy_min, counts, sums, x, y,
+ *           neg, pos_abs) -> None
+ *
+ * The integrity checks of a batch of whole sequences, each sequence's rows together and in
+ * position order (``integrity._by_sequence``): pos int64 [N], train and rollout float64 [N]
+ * (anything at padding), valid and flip bool [N], starts int64 [S] (each sequence's first
+ * row), limits float64 [7] (the log-prob floor, ``POSITIVE_ABOVE``, ``IMPLAUSIBLE_BELOW``,
+ * ``PLACEHOLDER_OTHER_BELOW``, ``SHIFT_RATIO``, ``SHIFT_MIN_L0``, ``DIFFERENT``), copy_min
+ * ``COPY_MIN_SEQ_TOKENS``. Fills counts (int64 [IC_COUNT]) and sums (float64 [IS_COUNT]), and
+ * compacts the finite valid tokens' x = max(train, floor) and y = x - max(rollout, floor) into
+ * x and y, and |y| of those with y < -different into neg, y of those with y > different into
+ * pos_abs (float64 [N] each; counts says how many each holds): the values, counts and sums of
+ * ``IntegrityAccumulator.update``'s numpy calls (the sums in numpy's order, ``np_sum`` and
+ * ``np.add.reduceat``), which the caller adds to its state as those calls do. */
+static PyObject *integrity(PyObject *self, PyObject *args)
+{
+    Py_buffer in[7], out[6];
+    long long copy_min;
+    for (int k = 0; k < 7; k++)
+        in[k].obj = NULL;
+    for (int k = 0; k < 6; k++)
+        out[k].obj = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*Lw*w*w*w*w*w*", &in[0], &in[1], &in[2], &in[3],
+                          &in[4], &in[5], &in[6], &copy_min, &out[0], &out[1], &out[2],
+                          &out[3], &out[4], &out[5]))
+        return NULL;
+    PyObject *result = NULL;
+    double *scratch = NULL;
+    Py_ssize_t n = -1, ns = -1, nl = 7, nc = IC_COUNT, nf = IS_COUNT;
+    const char *names[5] = {"pos", "train", "rollout", "valid", "flip"};
+    const Py_ssize_t sizes[5] = {8, 8, 8, 1, 1};
+    for (int k = 0; k < 5; k++)
+        if (take(&in[k], &n, sizes[k], names[k]) < 0)
+            goto done;
+    if (take(&in[5], &ns, 8, "starts") < 0 || take(&in[6], &nl, 8, "limits") < 0 ||
+        take(&out[0], &nc, 8, "counts") < 0 || take(&out[1], &nf, 8, "sums") < 0)
+        goto done;
+    const char *outs[4] = {"x", "y", "neg", "pos_abs"};
+    for (int k = 0; k < 4; k++)
+        if (take(&out[2 + k], &n, 8, outs[k]) < 0)
+            goto done;
+    const int64_t *starts = in[5].buf;
+    int ordered = ns >= 1 && starts[0] == 0;
+    for (Py_ssize_t s = 1; s < ns && ordered; s++)
+        ordered = starts[s] > starts[s - 1] && starts[s] < n;
+    if (!ordered) {
+        PyErr_SetString(PyExc_ValueError, "_kernels.integrity: starts are not sequence starts");
+        goto done;
+    }
+    scratch = PyMem_RawMalloc((5 * (size_t)n + 3 * (size_t)ns + 1) * sizeof(double) + (size_t)n);
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const double *l = in[6].buf;
+    const Limits lim = {.floor = l[0], .positive_above = l[1], .implausible_below = l[2],
+                        .placeholder_below = l[3], .shift_ratio = l[4], .shift_min_l0 = l[5],
+                        .different = l[6], .copy_min = (int64_t)copy_min};
+    int64_t *c = out[0].buf;
+    double *f = out[1].buf;
+    double *d[3] = {scratch, scratch + n, scratch + 2 * n}, *tc = scratch + 3 * n,
+           *rc = scratch + 4 * n;
+    double *held[3] = {scratch + 5 * n, scratch + 5 * n + ns, scratch + 5 * n + 2 * ns};
+    uint8_t *flag = (uint8_t *)(scratch + 5 * n + 3 * ns + 1);
+    Py_BEGIN_ALLOW_THREADS
+    memset(c, 0, IC_COUNT * sizeof *c);
+    f[IS_POSITIVE_MAX] = -INFINITY, f[IS_IMPLAUSIBLE_MIN] = INFINITY;
+    unsigned all;
+    const unsigned any = integrity_rows(n, in[1].buf, in[2].buf, in[3].buf, in[4].buf, &lim,
+                                        flag, tc, rc, &all);
+    Py_ssize_t kd = 0;
+    for (Py_ssize_t s = 0; s < ns; s++)
+        integrity_sequence(starts[s], s + 1 < ns ? starts[s + 1] : n, any, all, in[0].buf,
+                           in[1].buf, in[2].buf, flag, tc, rc, &lim, c, f, d, &kd, out[2].buf,
+                           out[3].buf, out[4].buf, out[5].buf, held);
+    c[IC_PAIRS] = kd;
+    for (int k = 0; k < 3; k++) {
+        f[IS_SHIFT + k] = np_sum(d[k], kd);
+        f[IS_HELD + k] = np_sum(held[k], c[IC_SHIFTED_SEQS]);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_RawFree(scratch);
+    Py_buffer *all[13] = {&in[0], &in[1], &in[2], &in[3], &in[4], &in[5], &in[6],
+                          &out[0], &out[1], &out[2], &out[3], &out[4], &out[5]};
+    release(all, 13);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"curves", curves, METH_VARARGS,
      "curves(r, abs_r, k3, dp, p_rollout, p_train, position, hist_bounds, hist_scale, "
@@ -588,6 +892,9 @@ static PyMethodDef methods[] = {
      "is_stats(raw, sequence, seg, valid, upper, lower, starts, seg_sums, seg_zeros) -> (sum_w, "
      "sum_w2, "
      "w_max, w_min, n_high, n_low)"},
+    {"integrity", integrity, METH_VARARGS,
+     "integrity(pos, train, rollout, valid, flip, starts, limits, copy_min, counts, sums, x, y, "
+     "neg, pos_abs) -> None"},
     {NULL, NULL, 0, NULL},
 };
 

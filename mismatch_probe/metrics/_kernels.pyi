@@ -37,3 +37,19 @@ def is_stats(
     seg_sums: Any,
     seg_zeros: Any,
 ) -> tuple[float, float, float, float, int, int]: ...
+def integrity(
+    pos: Any,
+    train: Any,
+    rollout: Any,
+    valid: Any,
+    flip: Any,
+    starts: Any,
+    limits: Any,
+    copy_min: int,
+    counts: Any,
+    sums: Any,
+    x: Any,
+    y: Any,
+    neg: Any,
+    pos_abs: Any,
+) -> None: ...

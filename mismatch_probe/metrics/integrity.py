@@ -67,7 +67,8 @@ from mismatch_probe.metrics.batch import (
     seq_sums,
     sequence_starts,
 )
-from mismatch_probe.metrics.sampling_checks import SAMPLING_CHECKS, SamplingAccumulator
+from mismatch_probe.metrics.compiled import loops
+from mismatch_probe.metrics.sampling_checks import DIFFERENT, SAMPLING_CHECKS, SamplingAccumulator
 from mismatch_probe.store import (
     METRIC_COLUMNS,
     STEP_COLUMN,
@@ -222,9 +223,8 @@ def _order(f: Finding) -> tuple[bool, int]:
 
 def _by_sequence(seq: np.ndarray, pos: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """The rows in position order inside each sequence, each sequence's rows together:
-    ``(seq, pos, *arrays, seg, starts)`` with ``seg`` ``[N]`` the sequence index of each row
-    (non-decreasing) and ``starts`` ``[S]`` each sequence's first row. Rows that already come so
-    (the store's own order) are kept as they are, without a sort."""
+    ``(pos, *arrays, starts)`` with ``starts`` ``[S]`` each sequence's first row. Rows that
+    already come so (the store's own order) are kept as they are, without a sort."""
     starts = sequence_starts(seq)
     descending = pos[1:] < pos[:-1]  # a row before its predecessor ...
     descending[starts[1:] - 1] = False  # ... of the same sequence
@@ -234,8 +234,18 @@ def _by_sequence(seq: np.ndarray, pos: np.ndarray, *arrays: np.ndarray) -> tuple
         seq, pos = seq[order], pos[order]
         arrays = tuple(a[order] for a in arrays)
         starts = sequence_starts(seq)
-    seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(seq))))
-    return (seq, pos, *arrays, seg, starts)
+    return (pos, *arrays, starts)
+
+
+# What ``_kernels.integrity`` is handed and fills, in its order.
+_LIMITS = np.array([LOGPROB_FLOOR, POSITIVE_ABOVE, IMPLAUSIBLE_BELOW, PLACEHOLDER_OTHER_BELOW,
+                    SHIFT_RATIO, SHIFT_MIN_L0, DIFFERENT])  # fmt: skip
+_FLAGGED = ("nonfinite", "positive", "implausible", "placeholder")  # TOKEN_FLAGS, its order
+_COUNTED = ("valid", "valid_seqs", "identical", "copied_seqs", "copied_tokens",
+            *_FLAGGED, *(f"{name}_seqs" for name in _FLAGGED),
+            "pairs", "shifted_seqs", "held_n",
+            "finite", "finite_seqs", "neg", "pos", "neg_seqs", "pos_seqs")  # fmt: skip
+_SUMMED = 2 + 2 * len(SHIFTS)  # positive_max, implausible_min, shift sums, held sums
 
 
 class IntegrityAccumulator:
@@ -260,10 +270,17 @@ class IntegrityAccumulator:
                valid: np.ndarray, flip: np.ndarray) -> None:  # fmt: skip
         """Add whole sequences. Shapes ``[N]``: ``seq`` ids (a sequence's rows contiguous),
         ``pos`` response positions, ``train``/``rollout`` float64 log-probs (anything at
-        padding), ``valid`` bool (both sides present), ``flip`` bool (a support flip)."""
-        seq, pos, train, rollout, valid, flip, seg, starts = _by_sequence(
+        padding), ``valid`` bool (both sides present), ``flip`` bool (a support flip). The
+        compiled loop where built (``_kernels.integrity``: the same numbers in one pass), else
+        numpy's calls."""
+        pos, train, rollout, valid, flip, starts = _by_sequence(
             seq, pos, train, rollout, valid, flip
         )
+        kernels = loops()
+        if kernels is not None:
+            self._update_compiled(kernels, pos, train, rollout, valid, flip, starts)
+            return
+        seg = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(pos))))
         n_valid = seq_sums(valid.astype(np.float64), starts)
         self.valid += int(np.count_nonzero(valid))
         self.valid_seqs += int((n_valid > 0).sum())
@@ -292,6 +309,39 @@ class IntegrityAccumulator:
             self._flag("placeholder", finite & dummy, seg)
         self._shift(seg, pos, train, rollout, finite)
         self.sampling.update(seg, train, rollout, finite)
+
+    def _update_compiled(self, kernels: Any, pos: np.ndarray, train: np.ndarray,
+                         rollout: np.ndarray, valid: np.ndarray, flip: np.ndarray,
+                         starts: np.ndarray) -> None:  # fmt: skip
+        """``update``'s numbers from ``_kernels.integrity``, added as its numpy calls add them."""
+        n = len(pos)
+        counts, sums = np.zeros(len(_COUNTED), np.int64), np.empty(_SUMMED)
+        x, y, neg, pos_abs = (np.empty(n) for _ in range(4))
+        arrays = (pos, train, rollout, valid, flip, starts)
+        kernels.integrity(*(np.ascontiguousarray(a) for a in arrays), _LIMITS,
+                          COPY_MIN_SEQ_TOKENS, counts, sums, x, y, neg, pos_abs)  # fmt: skip
+        c = dict(zip(_COUNTED, counts.tolist(), strict=True))
+        self.valid += c["valid"]
+        self.valid_seqs += c["valid_seqs"]
+        self.identical += c["identical"]
+        self.seqs["copied"] += c["copied_seqs"]
+        self.copied_tokens += c["copied_tokens"]
+        for name in TOKEN_FLAGS:
+            self.counts[name] += c[name]
+            self.seqs[name] += c[f"{name}_seqs"]
+        if c["positive"]:
+            self.positive_max = max(self.positive_max, float(sums[0]))
+        if c["implausible"]:
+            self.implausible_min = min(self.implausible_min, float(sums[1]))
+        for i, k in enumerate(SHIFTS):
+            self.shift_sum[k] += float(sums[2 + i])
+            self.shift_n[k] += c["pairs"]
+            self.held_sum[k] += float(sums[2 + len(SHIFTS) + i])
+        self.seqs["shifted"] += c["shifted_seqs"]
+        self.held_n += c["held_n"]
+        self.sampling.add(x[: c["finite"]], y[: c["finite"]], c["finite_seqs"],
+                          {-1: (neg[: c["neg"]], c["neg_seqs"]),
+                           1: (pos_abs[: c["pos"]], c["pos_seqs"])})  # fmt: skip
 
     def merge(self, other: IntegrityAccumulator) -> None:
         """Add another accumulator's sequences (counts and sums added, extremes combined)."""

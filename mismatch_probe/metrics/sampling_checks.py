@@ -98,6 +98,21 @@ class SamplingAccumulator:
         self.hist[-1] += counts[:_NBINS]
         self.hist[1] += counts[_NBINS:]
 
+    def add(self, x: np.ndarray, y: np.ndarray, seqs: int,
+            signed: dict[int, tuple[np.ndarray, int]]) -> None:  # fmt: skip
+        """``update``'s state change from its values already picked out (``_kernels.integrity``
+        picks them): ``x``, ``y`` of the finite valid tokens, the sequences holding them, and
+        per sign the ``|r|`` of the tokens of that sign (in row order) and the sequences
+        holding one. The same counts and sums ``update`` adds."""
+        if not len(x):
+            return
+        self.seqs += seqs
+        self._moments(x, y)
+        for sign, (abs_r, held) in signed.items():
+            self.sign_n[sign] += len(abs_r)
+            self.sign_seqs[sign] += held
+            self.hist[sign] += np.bincount(_bins(abs_r), minlength=_NBINS)
+
     def merge(self, other: SamplingAccumulator) -> None:
         """Add another accumulator's tokens (its co-moments merged as one more batch)."""
         if other.n:

@@ -456,17 +456,26 @@ def os_error_reason(exc: OSError) -> str:
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
-    """How every Parquet file probe writes is encoded: dictionary pages only for the columns of
-    few distinct values (ids, steps, positions, settings, text), zstd for every leaf but the
-    floats.
+    """How every Parquet file probe writes is encoded: plain pages for numbers, dictionary
+    pages for the rest (text, flags, lists of ids: few distinct values); floats uncompressed,
+    integers LZ4, token ids and everything else zstd.
 
-    The floats (a log-prob per row) and token ids (a vocabulary's worth) get plain pages: a
-    dictionary for them is built, abandoned and paid for on every page, in writing and in
-    reading back. Float leaves (log-probs, also inside lists) are stored uncompressed: zstd
-    saves a few per cent of their size and more than doubles their read time (``make bench
-    parquet_floats``); every other leaf (lists of ids and expert routes included) is zstd."""
-    plain = {f.name for f in schema if pa.types.is_floating(f.type)} | {"token_id"}
-    compression = {path: "none" if floats else "zstd" for path, floats in _leaves(schema)}
+    * Floats (a log-prob per row, also inside lists) are stored uncompressed: zstd saves a few
+      per cent of their size and more than doubles their read time (``make bench
+      parquet_floats``).
+    * Integers (steps, sequence, prompt and sample ids, positions, turns) come in runs or
+      counting up, which LZ4 packs as small as a dictionary would (within 1.5% of the token
+      store), without hashing every value into one: that hashing was a third of writing an
+      ingested store, and dictionary pages with zstd read slower than LZ4'd plain ones.
+    * Token ids (a vocabulary's worth, no runs) are plain and zstd: its entropy coding saves
+      a third of their size, which LZ4 does not. Every other leaf (lists of ids and expert
+      routes included) is zstd."""
+    ints = {f.name for f in schema if pa.types.is_integer(f.type)} - {"token_id"}
+    plain = {f.name for f in schema if pa.types.is_floating(f.type)} | ints | {"token_id"}
+    compression = {
+        path: "none" if floats else "lz4" if path in ints else "zstd"
+        for path, floats in _leaves(schema)
+    }
     return {
         "compression": compression,
         "use_dictionary": [n for n in schema.names if n not in plain],
