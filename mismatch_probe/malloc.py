@@ -1,7 +1,7 @@
 """Memory on the data path: glibc's ``malloc`` tuned for batch-sized arrays
 (``keep_freed_memory``), and Python's cycle collector paused during a pass (``collector_paused``).
 
-Every numpy temporary of a metric batch (about 1 MB: 131,072 float64) comes from ``malloc``.
+Every numpy temporary of a metric batch (about 2 MB: 262,144 float64) comes from ``malloc``.
 glibc serves a request above its mmap threshold (128 KiB at start, raised as such blocks are
 freed) with a fresh ``mmap`` and unmaps it on ``free``, and it gives the free memory at the top
 of a heap beyond its trim threshold (twice the mmap threshold) back to the kernel. Either way

@@ -29,7 +29,7 @@ def _exact(result) -> str:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """About 300,000 tokens in row groups of 131,072 rows (several batches), with turns."""
+    """About 300,000 tokens in row groups of 65,536 rows (several batches), with turns."""
     path = tmp_path_factory.mktemp("parallel") / "plain.parquet"
     write_synthetic_store(path, 300_000, seed=5)
     table = pq.read_table(path)

@@ -242,7 +242,7 @@ PLOTS_DIR = "plots"
 
 # Rows per row group of the stores probe writes: one batch of the metric engine (a few MB of
 # columns), large enough that a batch's fixed cost is small beside its arithmetic.
-ROW_GROUP_TOKENS = 131_072
+ROW_GROUP_TOKENS = 262_144
 
 
 def _is_integer(t: pa.DataType) -> bool:
