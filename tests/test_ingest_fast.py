@@ -167,8 +167,11 @@ def test_dump_variants_give_the_store_of_the_record_readers(variant: str, tmp_pa
     _assert_same_stores(new, old)
 
 
-def test_prime_rl_row_groups_steps_and_ranks_match(tmp_path: Path) -> None:
+def test_prime_rl_row_groups_steps_and_ranks_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Steps of several row groups each (65,536 tokens), two rank files per step."""
+    monkeypatch.setattr(store, "ROW_GROUP_TOKENS", 65_536)
     data = _big_steps([1, 2, 3], seqs=120, length=1500, seed=4)
     src = write_prime_rl(tmp_path / "src", data)
     for step in data:  # a second rank file: the same lines again

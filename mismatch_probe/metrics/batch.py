@@ -192,10 +192,16 @@ def batch_from_table(table: pa.Table) -> TokenBatch:
         memo={},
         prompt_id=ids.get("prompt_id"),
         sample_id=ids.get("sample_id"),
-        entropy=_entropy_column(table, m) if "train_entropy" in names else None,
+        entropy=_entropy_column(table, m) if _holds_values(table, "train_entropy") else None,
         all_valid=all_valid,
         row=int_column(table, ROW_COLUMN) if ROW_COLUMN in names else None,
     )
+
+
+def _holds_values(table: pa.Table, name: str) -> bool:
+    """Whether ``table`` has the column ``name`` with a value that is not null (an ingested
+    run's ``train_entropy`` is null throughout: its logs hold no logits)."""
+    return name in table.column_names and table.column(name).null_count < table.num_rows
 
 
 def _entropy_column(table: pa.Table, m: np.ndarray) -> np.ndarray:

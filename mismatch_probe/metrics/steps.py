@@ -42,6 +42,7 @@ from mismatch_probe.store import (
     step_ranges,
     written_sequence_batches,
 )
+from mismatch_probe.store.arrays import numpy_of
 from mismatch_probe.store.dataset import part_files
 
 
@@ -199,9 +200,11 @@ def _step_partials(
     """The run's partial of a batch and its steps' (the same one for a batch of one step)."""
     column = table.column(STEP_COLUMN)
     whole = table_partial(engine, table)
+    if not column.null_count:  # the usual batch: one step's rows, found by its extremes
+        steps = numpy_of(column)
+        if len(steps) and steps.min() == steps.max():
+            return whole, [(int(steps[0]), whole)]  # the same rows: the same partial
     values = np.asarray(pc.unique(column.drop_null()).to_pylist(), dtype=np.int64)
-    if len(values) == 1 and not column.null_count:
-        return whole, [(int(values[0]), whole)]  # the same rows: the same partial
     return whole, [(int(s), table_partial(engine, _only(table, int(s)))) for s in sorted(values)]
 
 
