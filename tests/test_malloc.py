@@ -25,7 +25,7 @@ libc.mallinfo2.restype = MallInfo2
 if sys.argv[1] == "tuned":
     assert keep_freed_memory()
 before = libc.mallinfo2().hblkhd
-temporary = np.ones(131_072)  # one float64 column of a metric batch: 1 MiB
+temporary = np.ones(131_072)  # 1 MiB: half a float64 column of a metric batch
 print(libc.mallinfo2().hblkhd - before)
 """
 

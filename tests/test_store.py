@@ -189,7 +189,7 @@ def test_atomic_dir_failed_write_leaves_nothing(tmp_path: Path) -> None:
 def test_every_leaf_but_floats_is_compressed() -> None:
     """``parquet_options`` keys compression by Parquet leaf (``name.list.element``): lists of
     ids and expert routes stay zstd, float leaves (scalars or in lists) are plain, integer
-    columns LZ4 and token ids zstd, both without a dictionary; text keeps one."""
+    columns LZ4_RAW and token ids zstd, both without a dictionary; text keeps one."""
     import io
 
     import pyarrow as pa
@@ -209,6 +209,7 @@ def test_every_leaf_but_floats_is_compressed() -> None:
     group = pq.ParquetFile(io.BytesIO(buffer.getvalue())).metadata.row_group(0)
     codecs = {group.column(i).path_in_schema: group.column(i).compression
               for i in range(group.num_columns)}  # fmt: skip
+    # pyarrow names the LZ4_RAW codec "LZ4" (its footer says LZ4_RAW, as DuckDB reads it)
     assert codecs == {"seq_id": "LZ4", "token_id": "ZSTD", "train_logprob": "UNCOMPRESSED",
                       "setting": "ZSTD", "experts.list.element.list.element": "ZSTD",
                       "logprobs.list.element": "UNCOMPRESSED"}  # fmt: skip

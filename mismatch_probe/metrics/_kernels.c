@@ -10,8 +10,8 @@
  *               values the sampling checks go on with (``integrity.IntegrityAccumulator``).
  *
  * Each function takes the batch's arrays (anything with the buffer protocol: C-contiguous
- * numpy arrays of the dtype named) and adds into output arrays it is handed, so Python keeps
- * the state. Each gives the bits of the numpy calls it replaces (the callers keep those calls,
+ * numpy arrays of the dtype named) and adds into output arrays it is handed (``integrity``
+ * fills them: the caller adds them to its state), so Python keeps the state. Each gives the bits of the numpy calls it replaces (the callers keep those calls,
  * for a build without a C compiler, and ``tests/test_metrics_compiled.py`` compares the two,
  * down to the whole engine's output):
  *

@@ -238,6 +238,7 @@ def _by_sequence(seq: np.ndarray, pos: np.ndarray, *arrays: np.ndarray) -> tuple
 
 
 # What ``_kernels.integrity`` is handed and fills, in its order.
+_HANDED = (np.int64, np.float64, np.float64, np.bool_, np.bool_, np.int64)
 _LIMITS = np.array([LOGPROB_FLOOR, POSITIVE_ABOVE, IMPLAUSIBLE_BELOW, PLACEHOLDER_OTHER_BELOW,
                     SHIFT_RATIO, SHIFT_MIN_L0, DIFFERENT])  # fmt: skip
 _FLAGGED = ("nonfinite", "positive", "implausible", "placeholder")  # TOKEN_FLAGS, its order
@@ -317,8 +318,8 @@ class IntegrityAccumulator:
         n = len(pos)
         counts, sums = np.zeros(len(_COUNTED), np.int64), np.empty(_SUMMED)
         x, y, neg, pos_abs = (np.empty(n) for _ in range(4))
-        arrays = (pos, train, rollout, valid, flip, starts)
-        kernels.integrity(*(np.ascontiguousarray(a) for a in arrays), _LIMITS,
+        arrays = zip((pos, train, rollout, valid, flip, starts), _HANDED, strict=True)
+        kernels.integrity(*(np.ascontiguousarray(a, dtype) for a, dtype in arrays), _LIMITS,
                           COPY_MIN_SEQ_TOKENS, counts, sums, x, y, neg, pos_abs)  # fmt: skip
         c = dict(zip(_COUNTED, counts.tolist(), strict=True))
         self.valid += c["valid"]

@@ -456,24 +456,27 @@ def os_error_reason(exc: OSError) -> str:
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
-    """How every Parquet file probe writes is encoded: plain pages for numbers, dictionary
-    pages for the rest (text, flags, lists of ids: few distinct values); floats uncompressed,
-    integers LZ4, token ids and everything else zstd.
+    """How every Parquet file probe writes is encoded: numbers in plain pages (floats
+    uncompressed, integers LZ4, token ids zstd), text in dictionary pages, zstd for every other
+    leaf.
 
     * Floats (a log-prob per row, also inside lists) are stored uncompressed: zstd saves a few
       per cent of their size and more than doubles their read time (``make bench
       parquet_floats``).
     * Integers (steps, sequence, prompt and sample ids, positions, turns) come in runs or
-      counting up, which LZ4 packs as small as a dictionary would (within 1.5% of the token
-      store), without hashing every value into one: that hashing was a third of writing an
-      ingested store, and dictionary pages with zstd read slower than LZ4'd plain ones.
-    * Token ids (a vocabulary's worth, no runs) are plain and zstd: its entropy coding saves
-      a third of their size, which LZ4 does not. Every other leaf (lists of ids and expert
-      routes included) is zstd."""
+      counting up, which LZ4 packs nearly as small as a dictionary would (the token store of
+      an ingest within 2%), without hashing every value into one: that hashing was a third
+      of writing an ingested store, and dictionary pages with zstd read slower. LZ4_RAW, the
+      codec the Parquet format recommends (not the Hadoop-framed LZ4 it deprecates).
+    * Token ids (a vocabulary's worth, no runs) are plain and zstd: its entropy coding keeps
+      them a third smaller than LZ4 would.
+    * Text (settings, sources, prompt keys, token text: few distinct values) gets dictionary
+      pages. Flags and lists (ids, expert routes) are zstd without one: Parquet has no
+      dictionary for booleans, and ``use_dictionary`` names columns, not a list's leaf."""
     ints = {f.name for f in schema if pa.types.is_integer(f.type)} - {"token_id"}
     plain = {f.name for f in schema if pa.types.is_floating(f.type)} | ints | {"token_id"}
     compression = {
-        path: "none" if floats else "lz4" if path in ints else "zstd"
+        path: "none" if floats else "lz4_raw" if path in ints else "zstd"
         for path, floats in _leaves(schema)
     }
     return {
