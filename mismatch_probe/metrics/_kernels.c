@@ -601,11 +601,9 @@ typedef struct {
     int64_t copy_min;
 } Limits;
 
-/* A row's integrity flags (one byte each), as ``IntegrityAccumulator.update`` defines them. */
-enum {
-    F_VALID = 1, F_SAME = 2, F_NONFINITE = 4, F_POSITIVE = 8, F_IMPLAUSIBLE = 16,
-    F_PLACEHOLDER = 32, F_FINITE = 64
-};
+/* A row's integrity flags, by bit (one byte a row), as ``IntegrityAccumulator.update``
+ * defines them; the four token flags in the order of IC_NONFINITE .. IC_PLACEHOLDER. */
+enum { B_VALID, B_SAME, B_NONFINITE, B_POSITIVE, B_IMPLAUSIBLE, B_PLACEHOLDER, B_FINITE, NFLAGS };
 
 /* Per row of a batch, each a plain loop the compiler vectorises: the flags and the log-probs
  * clamped to the floor (np.maximum(x, floor) of a finite x: x unless x < floor). Returns the
@@ -619,16 +617,18 @@ static unsigned integrity_rows(Py_ssize_t n, const double *restrict train,
 {
     const double above = lim->positive_above, below = lim->implausible_below,
                  other = lim->placeholder_below, floor = lim->floor;
-    unsigned any = 0, all = 0x7f;
+    unsigned any = 0, all = (1u << NFLAGS) - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         const double t = train[i], r = rollout[i];
         const unsigned v = valid[i] != 0;
         const unsigned ok = v & (fabs(t) <= DBL_MAX) & (fabs(r) <= DBL_MAX);
         const unsigned outside = (t == -INFINITY) & (flip[i] != 0); /* a flip's -inf: measured */
         const unsigned f =
-            v | (v & (t == r)) << 1 | (v & !ok & !outside) << 2 |
-            (ok & ((t > above) | (r > above))) << 3 | (ok & ((t < below) | (r < below))) << 4 |
-            (ok & (((t == 0.0) & (r < other)) | ((r == 0.0) & (t < other)))) << 5 | ok << 6;
+            v << B_VALID | (v & (t == r)) << B_SAME | (v & !ok & !outside) << B_NONFINITE |
+            (ok & ((t > above) | (r > above))) << B_POSITIVE |
+            (ok & ((t < below) | (r < below))) << B_IMPLAUSIBLE |
+            (ok & (((t == 0.0) & (r < other)) | ((r == 0.0) & (t < other)))) << B_PLACEHOLDER |
+            ok << B_FINITE;
         flag[i] = (uint8_t)f;
         any |= f;
         all &= f;
@@ -641,13 +641,13 @@ static unsigned integrity_rows(Py_ssize_t n, const double *restrict train,
     return any;
 }
 
-/* The rows a .. b - 1 with flag bit ``bit``. */
+/* The rows a .. b - 1 with flag ``bit``. */
 CLONES_AVX512F
-static int64_t count_flag(const uint8_t *restrict flag, Py_ssize_t a, Py_ssize_t b, unsigned bit)
+static int64_t count_flag(const uint8_t *restrict flag, Py_ssize_t a, Py_ssize_t b, int bit)
 {
     int64_t k = 0;
     for (Py_ssize_t i = a; i < b; i++)
-        k += (flag[i] & bit) != 0;
+        k += flag[i] >> bit & 1;
     return k;
 }
 
@@ -704,18 +704,18 @@ static void integrity_sequence(Py_ssize_t a, Py_ssize_t b, unsigned any, unsigne
                                double *const *held)
 {
     const Py_ssize_t len = b - a;
-    int64_t counts[7]; /* of each flag, by bit */
-    for (int k = 0; k < 7; k++)
-        counts[k] = !(any & 1u << k) ? 0 : all & 1u << k ? len : count_flag(flag, a, b, 1u << k);
-    const int64_t valid_n = counts[0], same_n = counts[1], fin_n = counts[6];
-    if (counts[3] | counts[4]) /* rare: the extremes of the positive and implausible tokens */
+    int64_t counts[NFLAGS]; /* rows of each flag */
+    for (int k = 0; k < NFLAGS; k++)
+        counts[k] = !(any >> k & 1) ? 0 : all >> k & 1 ? len : count_flag(flag, a, b, k);
+    const int64_t valid_n = counts[B_VALID], same_n = counts[B_SAME], fin_n = counts[B_FINITE];
+    if (counts[B_POSITIVE] | counts[B_IMPLAUSIBLE]) /* rare: those tokens' extremes */
         for (Py_ssize_t i = a; i < b; i++) {
             const double t = train[i], r = rollout[i];
-            if (flag[i] & F_POSITIVE) {
+            if (flag[i] >> B_POSITIVE & 1) {
                 const double m = t >= r ? t : r; /* np.maximum */
                 f[IS_POSITIVE_MAX] = m > f[IS_POSITIVE_MAX] ? m : f[IS_POSITIVE_MAX];
             }
-            if (flag[i] & F_IMPLAUSIBLE) {
+            if (flag[i] >> B_IMPLAUSIBLE & 1) {
                 const double m = t <= r ? t : r; /* np.minimum */
                 f[IS_IMPLAUSIBLE_MIN] = m < f[IS_IMPLAUSIBLE_MIN] ? m : f[IS_IMPLAUSIBLE_MIN];
             }
@@ -728,8 +728,8 @@ static void integrity_sequence(Py_ssize_t a, Py_ssize_t b, unsigned any, unsigne
         c[IC_COPIED_TOKENS] += valid_n;
     }
     for (int k = 0; k < 4; k++) {
-        c[IC_NONFINITE + k] += counts[2 + k];
-        c[IC_NONFINITE_SEQS + k] += counts[2 + k] > 0;
+        c[IC_NONFINITE + k] += counts[B_NONFINITE + k];
+        c[IC_NONFINITE_SEQS + k] += counts[B_NONFINITE + k] > 0;
     }
     /* the sampling checks' values of the finite tokens, compacted in row order */
     const Py_ssize_t kx0 = c[IC_FINITE];
@@ -740,7 +740,7 @@ static void integrity_sequence(Py_ssize_t a, Py_ssize_t b, unsigned any, unsigne
         for (Py_ssize_t i = a; i < b; i++) {
             x[kx] = tc[i];
             y[kx] = tc[i] - rc[i];
-            kx += (flag[i] & F_FINITE) != 0;
+            kx += flag[i] >> B_FINITE & 1;
         }
     }
     Py_ssize_t kn = c[IC_NEG], kp = c[IC_POS];
@@ -770,7 +770,7 @@ static void integrity_sequence(Py_ssize_t a, Py_ssize_t b, unsigned any, unsigne
             d[0][k] = fabs(t - rc[i - 1]);
             d[1][k] = fabs(t - rc[i]);
             d[2][k] = fabs(t - rc[i + 1]);
-            k += (flag[i - 1] & flag[i] & flag[i + 1] & F_FINITE) != 0 &&
+            k += (flag[i - 1] & flag[i] & flag[i + 1]) >> B_FINITE & 1 &&
                  (uint64_t)pos[i] == (uint64_t)pos[i - 1] + 1 &&
                  (uint64_t)pos[i + 1] == (uint64_t)pos[i] + 1;
         }

@@ -81,29 +81,18 @@ class SamplingAccumulator:
         seg = seg if every else seg[finite]  # non-decreasing (``integrity._by_sequence``)
         if not len(x):
             return
-        self.seqs += distinct_sorted(seg)
-        self._moments(x, y)
-        # No compaction of the differing tokens (a random mask: slow). Every token gets its
-        # bin, the positive side's shifted past the negative side's; a token of neither sign
-        # (|r| read as 1e-6: bin 0) is taken back out of the negative side's bin 0.
-        hits = {-1: y < -DIFFERENT, 1: y > DIFFERENT}
-        slot = _bins(np.maximum(np.abs(y), DIFFERENT)) + hits[1] * _NBINS
-        counts = np.bincount(slot, minlength=2 * _NBINS)
         starts = sequence_starts(seg)
-        n = {sign: count(hit) for sign, hit in hits.items()}
-        for sign, hit in hits.items():
-            self.sign_n[sign] += n[sign]
-            self.sign_seqs[sign] += count(np.logical_or.reduceat(hit, starts))
-        counts[0] -= len(y) - n[-1] - n[1]
-        self.hist[-1] += counts[:_NBINS]
-        self.hist[1] += counts[_NBINS:]
+        signed = {}
+        for sign, hit in ((-1, y < -DIFFERENT), (1, y > DIFFERENT)):
+            signed[sign] = (np.abs(y[hit]), count(np.logical_or.reduceat(hit, starts)))
+        self.add(x, y, distinct_sorted(seg), signed)
 
     def add(self, x: np.ndarray, y: np.ndarray, seqs: int,
             signed: dict[int, tuple[np.ndarray, int]]) -> None:  # fmt: skip
-        """``update``'s state change from its values already picked out (``_kernels.integrity``
-        picks them): ``x``, ``y`` of the finite valid tokens, the sequences holding them, and
-        per sign the ``|r|`` of the tokens of that sign (in row order) and the sequences
-        holding one. The same counts and sums ``update`` adds."""
+        """Add tokens from their values already picked out (by ``update``, or by
+        ``_kernels.integrity``): ``x``, ``y`` of the finite valid tokens, the sequences holding
+        them, and per sign the ``|r|`` of the tokens of that sign (in row order) and the
+        sequences holding one."""
         if not len(x):
             return
         self.seqs += seqs
